@@ -387,3 +387,253 @@ class Target(nn.Module):
         # GDN core, chunk form (64-token chunks): ~ (4 chunk-local + 6 state) K*V flops per token and v-head
         gdn = (n_layers - n_full) * T * c.linear_num_value_heads * c.linear_key_head_dim * (10 * c.linear_value_head_dim + 4 * 64)
         return 2 * lin * T + attn + gdn
+
+# -----------------------------------------------------------------------------
+# DFlash drafter (dflash.md sections 1-3)
+
+def default_target_layer_ids(n_target_layers, n_feat):
+    # z-lab/SpecForge/SGLang formula: evenly spaced from layer 1 to L-3, e.g. [1,16,31,46,61] for 64 layers
+    if n_feat == 1:
+        return [n_target_layers // 2]
+    return [int(round(1 + i * (n_target_layers - 4) / (n_feat - 1))) for i in range(n_feat)]
+
+@dataclass
+class DrafterConfig:
+    hidden_size: int = 5120             # must equal the target's hidden size (block embeddings are the target's)
+    intermediate_size: int = 17408      # SwiGLU width (z-lab uses the target's)
+    num_hidden_layers: int = 5          # drafter decoder layers
+    num_attention_heads: int = 32       # Qwen3-style attention, independent of the target's
+    num_key_value_heads: int = 8
+    head_dim: int = 128
+    target_layer_ids: list = field(default_factory=lambda: [1, 16, 31, 46, 61])  # tapped target layer outputs
+    num_target_layers: int = 64         # engines range-check target_layer_ids against it
+    block_size: int = 16                # anchor + 15 drafted tokens
+    mask_token_id: int = 248070         # a row of the target's embedding used for the 15 masked slots
+    vocab_size: int = 248320            # the target's (embedding and LM head are borrowed)
+    rope_theta: float = 1e7             # the target's
+    max_position_embeddings: int = 262144
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False   # copied from the target (informational)
+
+    @classmethod
+    def from_target(cls, t, n_feat=5, **overrides):
+        toy = t.hidden_size < 1024   # shrink the attention of toy drafters (CPU demo) instead of 32 heads of 128
+        known_mask = {248320: 248070, 151936: 151669}   # published z-lab mask ids for Qwen3.5/3.6 and Qwen3
+        kw = dict(hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
+                  num_attention_heads=4 if toy else 32, num_key_value_heads=2 if toy else 8, head_dim=16 if toy else 128,
+                  target_layer_ids=default_target_layer_ids(t.num_hidden_layers, n_feat),
+                  num_target_layers=t.num_hidden_layers, mask_token_id=known_mask.get(t.vocab_size, t.vocab_size - 1),
+                  vocab_size=t.vocab_size, rope_theta=t.rope_theta, max_position_embeddings=t.max_position_embeddings,
+                  rms_norm_eps=t.rms_norm_eps, tie_word_embeddings=t.tie_word_embeddings)
+        kw.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**kw)
+
+class DrafterAttention(nn.Module):
+    """Qwen3 attention whose keys/values are [context ; block] and whose queries are the block."""
+    def __init__(self, c):
+        super().__init__()
+        self.nh, self.nkv, self.hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, self.nh * self.hd, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, self.nkv * self.hd, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, self.nkv * self.hd, bias=False)
+        self.o_proj = nn.Linear(self.nh * self.hd, c.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.hd, c.rms_norm_eps)
+        self.k_norm = RMSNorm(self.hd, c.rms_norm_eps)
+
+    def forward(self, x, ctx, rope_q, rope_kv, attend):
+        Q, KV = x.shape[0], ctx.shape[0] + x.shape[0]
+        kv_in = torch.cat([ctx, x])                                        # context keys first, then the block
+        q = apply_rope(self.q_norm(self.q_proj(x).view(Q, self.nh, self.hd)), *rope_q)
+        k = apply_rope(self.k_norm(self.k_proj(kv_in).view(KV, self.nkv, self.hd)), *rope_kv)
+        v = self.v_proj(kv_in).view(KV, self.nkv, self.hd)
+        o = attend(*(t.transpose(0, 1)[None] for t in (q, k, v)))          # [1, heads, Q, hd]
+        return self.o_proj(o[0].transpose(0, 1).reshape(Q, self.nh * self.hd))
+
+class DrafterLayer(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = DrafterAttention(c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MLP(c.hidden_size, c.intermediate_size)
+
+    def forward(self, h, ctx, rope_q, rope_kv, attend):
+        h = h + self.self_attn(self.input_layernorm(h), ctx, rope_q, rope_kv, attend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+def anchor_mask_mod(anchors, keep, doc, S, B):
+    """THE training mask (one definition for the flex BlockMask and the dense CPU mask). KV = [context (S) |
+    block_0 .. block_{N-1}], Q = the blocks. A query of block j sees context kv < anchor_j (strictly: the
+    anchor's own hidden state is not known at serving time) in the anchor's document, plus all B keys of its
+    own block (bidirectional). Padded slots (keep False) see nothing. Indices are clamped because flex also
+    evaluates padded tiles past Q_LEN/KV_LEN. Every per-step value is a device tensor: no recompiles."""
+    N = anchors.shape[0]
+    def mask_mod(b, h, q_idx, kv_idx):
+        j = (q_idx // B).clamp(max=N - 1)
+        a = anchors[j]
+        ctx = (kv_idx < a) & (doc[kv_idx.clamp(max=S - 1)] == doc[a])
+        blk = (kv_idx >= S) & ((kv_idx - S) // B == j)
+        return (ctx | blk) & keep[j]
+    return mask_mod
+
+def sample_anchors(loss_mask, doc, n):
+    """Up to n anchors per row, uniformly without replacement among positions whose next token is supervised
+    and in the same document; sorted (sorted anchors keep flex tiles sparse). On device, no host sync.
+    Returns anchors [n] long (0 in padded slots) and keep [n] bool."""
+    valid = (loss_mask[1:] > 0) & (doc[1:] == doc[:-1])
+    keys = torch.rand(valid.shape, device=valid.device).masked_fill(~valid, 2.0)
+    picked = keys.topk(n, largest=False).indices                         # n random valid positions (if there are n)
+    keep = keys[picked] < 2.0
+    anchors = torch.where(keep, picked, valid.shape[0] + 1).sort().values  # padded slots sort last
+    keep = anchors <= valid.shape[0]
+    return torch.where(keep, anchors, 0), keep
+
+class _WeightedCE(torch.autograd.Function):
+    """sum_i w_i * CE(h_i @ W^T, y_i) over the frozen LM head, in chunks of rows so the [N*B, vocab] logits
+    never exist at once. The gradient wrt h is computed in the forward (W is frozen, so this is the only
+    gradient), which saves re-running the 2*Q*V*H-FLOP logits GEMM in the backward."""
+    @staticmethod
+    def forward(ctx, h, weight, labels, w, chunk):
+        loss, pred, grads = h.new_zeros((), dtype=torch.float32), [], []
+        for s in range(0, h.shape[0], chunk):
+            logits = (h[s:s + chunk] @ weight.t()).float()
+            lse = logits.logsumexp(-1)
+            y = labels[s:s + chunk, None]
+            ce = lse - logits.gather(1, y)[:, 0]
+            loss = loss + (w[s:s + chunk] * ce.masked_fill(w[s:s + chunk] == 0, 0.0)).sum()  # no NaN*0
+            pred.append(logits.argmax(-1))
+            if ctx.needs_input_grad[0]:
+                p = (logits - lse[:, None]).exp().scatter_add(1, y, -torch.ones_like(y, dtype=logits.dtype))
+                grads.append((p * w[s:s + chunk, None]).to(weight.dtype) @ weight)
+        pred = torch.cat(pred)
+        ctx.mark_non_differentiable(pred)
+        ctx.save_for_backward(torch.cat(grads) if grads else h.new_zeros(0))
+        return loss, pred
+
+    @staticmethod
+    def backward(ctx, g_loss, g_pred):
+        (dh,) = ctx.saved_tensors
+        return (dh * g_loss).to(dh.dtype), None, None, None, None
+
+class Drafter(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        c = self.config = config
+        self.fc = nn.Linear(len(c.target_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.layers = nn.ModuleList([DrafterLayer(c) for _ in range(c.num_hidden_layers)])
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        for name, p in self.named_parameters():      # Qwen3 init: normal(0.02) matrices, norms at 1
+            if p.dim() == 2:
+                nn.init.normal_(p, std=0.02)
+
+    def hidden(self, feats, ctx_pos, block_emb, block_pos, attend):
+        """feats [S, n_feat*H] target features, block_emb [Q, H], positions for RoPE -> [Q, H] (final-normed)."""
+        c = self.config
+        ctx = self.hidden_norm(self.fc(feats))          # the same fused context feeds k/v of every layer
+        rope_q = rope_cos_sin(block_pos, c.head_dim, c.rope_theta)
+        rope_kv = rope_cos_sin(torch.cat([ctx_pos, block_pos]), c.head_dim, c.rope_theta)
+        h = block_emb.to(ctx.dtype)
+        for layer in self.layers:
+            h = layer(h, ctx, rope_q, rope_kv, attend)
+        return self.norm(h)
+
+    def forward(self, feats, tokens, loss_mask, doc, pos, anchors, keep, embed, head, gamma=7.0, flex=None,
+                ce_chunk=1024):
+        """Masked training forward over one packed row. feats [S, n*H], tokens/loss_mask/doc/pos [S],
+        anchors/keep [N] from sample_anchors, embed/head the target's frozen weights [V, H].
+        flex: None -> dense boolean mask + SDPA (CPU); else a dict of flex_attention kernel options (GPU).
+        Returns a dict of device tensors: loss and the sums behind acceptance / per-slot accuracy."""
+        c, S, N, B = self.config, tokens.shape[0], anchors.shape[0], self.config.block_size
+        k = torch.arange(B, device=tokens.device)
+        idx = anchors[:, None] + k                                        # [N, B] absolute positions of the block
+        inside = idx < S
+        idx = idx.clamp(max=S - 1)
+        block_ids = torch.where((k == 0) & keep[:, None], tokens[anchors][:, None], c.mask_token_id)  # [anchor, mask x15]
+        mask_mod = anchor_mask_mod(anchors, keep, doc, S, B)
+        if flex is None:
+            q_idx = torch.arange(N * B, device=tokens.device)[:, None]
+            allowed = mask_mod(0, 0, q_idx, torch.arange(S + N * B, device=tokens.device)[None, :])  # [Q, KV]
+            def attend(q, k_, v):
+                o = F.scaled_dot_product_attention(q, k_, v, attn_mask=allowed, enable_gqa=True)
+                return o.masked_fill(~allowed.any(-1)[:, None], 0.0)   # padded slots: zeros, as flex gives
+        else:
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+            bm = create_block_mask(mask_mod, None, None, N * B, S + N * B, device=tokens.device)
+            def attend(q, k_, v):
+                return flex_attention(q, k_, v, block_mask=bm, enable_gqa=True, kernel_options=flex or None)
+        block_pos = (pos[anchors][:, None] + k).view(-1)                  # RoPE positions anchor..anchor+B-1 in its document
+        h = self.hidden(feats, pos, F.embedding(block_ids.view(-1), embed), block_pos, attend)
+        # labels: block slot k predicts the token AT anchor+k (no extra shift); slot 0 is the anchor itself
+        decay = torch.exp(-(k - 1).clamp(min=0).float() / gamma)
+        sup = keep[:, None] & (k > 0) & inside & (loss_mask[idx] > 0) & (doc[idx] == doc[anchors][:, None])
+        w = sup.float() * decay                                           # [N, B]
+        labels = tokens[idx]
+        wce, pred = _WeightedCE.apply(h, head, labels.view(-1), w.view(-1), ce_chunk)
+        correct = (pred.view(N, B) == labels) & sup
+        accepted = 1 + correct[:, 1:].long().cumprod(1).sum(1)            # anchor + leading correct slots
+        return dict(loss=wce / w.sum().clamp(min=1e-6), accept_sum=(accepted * keep).sum(), blocks=keep.sum(),
+                    slot_correct=correct.sum(0), slot_count=sup.sum(0))
+
+    @torch.no_grad()
+    def propose(self, ctx_feats, ctx_pos, anchor_token, anchor_pos, embed, head):
+        """What a serving engine runs: context = target features of the positions before the anchor, block =
+        [anchor, mask x (B-1)] at positions anchor_pos.., no mask at all. Returns (B-1 tokens, their logits)."""
+        c = self.config
+        block = torch.full((c.block_size,), c.mask_token_id, dtype=torch.long, device=ctx_feats.device)
+        block[0] = anchor_token
+        bpos = anchor_pos + torch.arange(c.block_size, device=ctx_feats.device)
+        attend = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        h = self.hidden(ctx_feats, ctx_pos, F.embedding(block, embed), bpos, attend)
+        logits = (h[1:] @ head.t()).float()
+        return logits.argmax(-1), logits
+
+    def flops(self, S, N):
+        """Matmul FLOPs of one training step (fwd + bwd) at S context tokens and N anchors, dense-equivalent
+        attention over the visible keys not counted (the anchor mask makes it data dependent; see bench.py)."""
+        c, Q = self.config, N * self.config.block_size
+        per_layer_q = c.hidden_size * (2 * c.num_attention_heads * c.head_dim + 3 * c.intermediate_size)  # q, o, MLP
+        kv = 2 * c.hidden_size * c.num_key_value_heads * c.head_dim
+        fwd = 2 * (c.num_hidden_layers * (Q * per_layer_q + (S + Q) * kv) + S * self.fc.in_features * c.hidden_size)
+        head = 2 * Q * c.vocab_size * c.hidden_size
+        return 3 * fwd + 2 * head           # trainable GEMMs: fwd + 2x bwd; frozen head: logits + dh
+
+    def save_pretrained(self, out_dir):
+        """z-lab format: config.json + model.safetensors (bf16, keys without a `model.` prefix)."""
+        from safetensors.torch import save_file
+        c = self.config
+        os.makedirs(out_dir, exist_ok=True)
+        cfg = dict(architectures=["DFlashDraftModel"], model_type="qwen3", block_size=c.block_size,
+                   dflash_config=dict(block_size=c.block_size, mask_token_id=c.mask_token_id,
+                                      target_layer_ids=list(c.target_layer_ids)),
+                   num_target_layers=c.num_target_layers, hidden_size=c.hidden_size,
+                   intermediate_size=c.intermediate_size, num_hidden_layers=c.num_hidden_layers,
+                   num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+                   head_dim=c.head_dim, hidden_act="silu", attention_bias=False, attention_dropout=0.0,
+                   rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta, rope_scaling=None,
+                   max_position_embeddings=c.max_position_embeddings,
+                   layer_types=["full_attention"] * c.num_hidden_layers, use_sliding_window=False, sliding_window=None,
+                   max_window_layers=c.num_hidden_layers, vocab_size=c.vocab_size,
+                   tie_word_embeddings=c.tie_word_embeddings, initializer_range=0.02, dtype="bfloat16",
+                   torch_dtype="bfloat16", use_cache=True)
+        tensors = {k: v.detach().to(torch.bfloat16).contiguous().cpu() for k, v in self.state_dict().items()}
+        tmp = os.path.join(out_dir, f".tmp-{os.getpid()}")
+        save_file(tensors, tmp + ".safetensors", metadata={"format": "pt"})
+        with open(tmp + ".json", "w") as f:
+            json.dump(cfg, f, indent=2)
+        os.replace(tmp + ".safetensors", os.path.join(out_dir, "model.safetensors"))   # atomic per file
+        os.replace(tmp + ".json", os.path.join(out_dir, "config.json"))
+
+    @classmethod
+    def from_pretrained(cls, path, device="cpu", dtype=torch.float32):
+        from safetensors.torch import load_file
+        with open(os.path.join(path, "config.json")) as f:
+            cfg = json.load(f)
+        d = cfg.get("dflash_config", {})
+        names = {f.name for f in fields(DrafterConfig)}
+        kw = {k: v for k, v in cfg.items() if k in names}
+        kw.update(block_size=d.get("block_size", cfg.get("block_size", 16)), mask_token_id=d["mask_token_id"],
+                  target_layer_ids=d["target_layer_ids"])
+        model = cls(DrafterConfig(**kw))
+        model.load_state_dict(load_file(os.path.join(path, "model.safetensors")))   # strict: exact key set
+        return model.to(device=device, dtype=dtype)
