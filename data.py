@@ -59,8 +59,8 @@ class _Writer:
             raise DataError(f"sample {self.n}: ids and mask must be 1-D, non-empty, of equal length; got shapes {ids.shape}, {mask.shape}")
         if ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= bound:
             raise DataError(f"sample {self.n}: ids must be integers in [0, {bound}); got {ids.dtype} in [{ids.min()}, {ids.max()}]")
-        if mask.dtype.kind not in "biu" or mask.min() < 0 or mask.max() > 1:
-            raise DataError(f"sample {self.n}: loss mask must be 0/1")
+        if not ((mask == 0) | (mask == 1)).all():
+            raise DataError(f"sample {self.n}: loss mask values must be 0 or 1")
         self.f["tokens.bin"].write(ids.astype("<u4").tobytes())
         self.f["loss_mask.bin"].write(mask.astype(np.uint8).tobytes())
         self.n, self.n_tokens = self.n + 1, self.n_tokens + len(ids)

@@ -246,8 +246,10 @@ class GatedDeltaNet(nn.Module):
             win = win * (dwin == doc[:, None])[:, None, :].to(win.dtype)
             y = F.silu((win * self.conv1d.weight[:, 0]).sum(-1))
             q, k, v = y.split([kd, kd, self.HV * self.V], dim=-1)
-            q = F.normalize(q.view(T, self.H, self.K).float(), dim=-1, eps=1e-6) * self.K ** -0.5
-            k = F.normalize(k.view(T, self.H, self.K).float(), dim=-1, eps=1e-6)
+            # l2norm as HF/FLA do it: x / sqrt(|x|^2 + 1e-6) (F.normalize's x / max(|x|, eps) differs for small |x|)
+            q, k = (t.view(T, self.H, self.K).float() for t in (q, k))
+            q = q * torch.rsqrt(q.pow(2).sum(-1, keepdim=True) + 1e-6) * self.K ** -0.5
+            k = k * torch.rsqrt(k.pow(2).sum(-1, keepdim=True) + 1e-6)
             q, k = (t.repeat_interleave(self.HV // self.H, dim=1) for t in (q, k))  # v-head j reads q/k head j // r
             v = v.view(T, self.HV, self.V)
             o = torch.cat([torch_chunk_gated_delta_rule(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e])
@@ -273,23 +275,24 @@ class TargetLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 class Target(nn.Module):
-    """Frozen hybrid target. n_layers: build only layers [0, n_layers) (enough for the tapped ones);
-    head_only: build only embed_tokens + lm_head (what a drafter rank needs)."""
-    def __init__(self, config, n_layers=None, head_only=False):
+    """Frozen hybrid target. Builds only what the caller needs: layers [0, n_layers) (up to the last tapped
+    one on a target rank; 0 on a drafter rank, which only borrows embed_tokens and lm_head) and lm_head
+    when head=True (target ranks never need it)."""
+    def __init__(self, config, n_layers=None, head=True):
         super().__init__()
         c = self.config = config
-        self.n_layers = 0 if head_only else (n_layers if n_layers is not None else c.num_hidden_layers)
+        self.n_layers = n_layers if n_layers is not None else c.num_hidden_layers
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList([TargetLayer(c, c.layer_types[i]) for i in range(self.n_layers)])
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, plus_one=True) if self.n_layers == c.num_hidden_layers else None
-        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False) if head else None
         self.requires_grad_(False)
 
     @classmethod
-    def build(cls, config, device="cpu", dtype=torch.float32, n_layers=None, head_only=False):
+    def build(cls, config, device="cpu", dtype=torch.float32, n_layers=None, head=True):
         """Random weights (presets, tests): deterministic per tensor name, made tensor by tensor on the CPU."""
         with torch.device("meta"):
-            model = cls(config, n_layers, head_only)
+            model = cls(config, n_layers, head)
         sd = {}
         for name, p in model.named_parameters():
             t = torch.empty(p.shape, dtype=torch.float32 if name.endswith(("A_log", "dt_bias")) else dtype)
@@ -304,13 +307,13 @@ class Target(nn.Module):
             else:
                 seeded_init_(name, t, config.init_std)
             sd[name] = t.to(device)
-        if config.tie_word_embeddings:
+        if config.tie_word_embeddings and head:
             sd["lm_head.weight"] = sd["embed_tokens.weight"]
         model.load_state_dict(sd, assign=True)
         return model
 
     @classmethod
-    def from_pretrained(cls, path, device="cpu", dtype=torch.bfloat16, n_layers=None, head_only=False):
+    def from_pretrained(cls, path, device="cpu", dtype=torch.bfloat16, n_layers=None, head=True):
         """Load an HF Qwen3.5/3.6 checkpoint dir (single model.safetensors or sharded with an index), reading
         only the tensors this rank needs, straight to `device` (the model is built on the meta device)."""
         from safetensors import safe_open
@@ -327,7 +330,7 @@ class Target(nn.Module):
         # official multimodal layout: model.language_model.* + lm_head.weight; text-only layout: model.*
         prefix = "model.language_model." if any(k.startswith("model.language_model.") for k in where) else "model."
         with torch.device("meta"):
-            model = cls(config, n_layers, head_only)
+            model = cls(config, n_layers, head)
         wanted = {}
         for name, p in model.named_parameters():
             key = "lm_head.weight" if name == "lm_head.weight" else prefix + name
