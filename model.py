@@ -552,7 +552,7 @@ class Drafter(nn.Module):
         idx = anchors[:, None] + k                                        # [N, B] absolute positions of the block
         inside = idx < S
         idx = idx.clamp(max=S - 1)
-        block_ids = torch.where((k == 0) & keep[:, None], tokens[anchors][:, None], c.mask_token_id)  # [anchor, mask x15]
+        block_ids = tokens[anchors][:, None].expand(N, B).masked_fill(~((k == 0) & keep[:, None]), c.mask_token_id)  # [anchor, mask x15]
         mask_mod = anchor_mask_mod(anchors, keep, doc, S, B)
         if flex is None:
             q_idx = torch.arange(N * B, device=tokens.device)[:, None]
