@@ -118,7 +118,7 @@ val_dir = os.path.join(data_dir, "val")
 val_ds = open_dataset(val_dir) if os.path.exists(os.path.join(val_dir, "meta.json")) else None
 packer = Packer(train_ds, args.budget, n_shards=n_pairs, shard=pair, seed=args.seed)
 steps_per_epoch = packer.steps_per_epoch
-max_steps = args.max_steps or args.epochs * steps_per_epoch
+max_steps = args.max_steps or packer.total_steps(args.epochs)
 S, N, B = args.budget, args.anchors, args.block_size
 
 # -----------------------------------------------------------------------------
@@ -252,7 +252,7 @@ if world > 1:
     t = torch.tensor([start_step], device=device)
     dist.broadcast(t, log_rank)
     start_step = int(t)
-packer.load_state_dict({"epoch": start_step // steps_per_epoch, "step": start_step % steps_per_epoch, "seed": args.seed})
+packer.seek(start_step)     # every pair consumes one row per step: the step is the data position
 eval_rows = []
 if val_ds is not None:      # the first held-out rows; every pair evaluates the same ones (eval is rare)
     vp = Packer(val_ds, S, shuffle=False)
@@ -340,15 +340,11 @@ def save_checkpoint(step):
     if rank == log_rank:
         tmp = ckpt_path + f".tmp-{os.getpid()}"
         torch.save(dict(drafter=drafter.state_dict(), optimizer=opt.state_dict(), step=step, args=vars(args),
-                        drafter_config=vars(dcfg), data=packer_state(step),
+                        drafter_config=vars(dcfg), data=dict(rows_per_pair=step, seed=args.seed),
                         rng=dict(seed=args.seed, note="anchors are reseeded from (seed, step, pair) every step")), tmp)
         os.replace(tmp, ckpt_path)      # atomic: a crash mid-write leaves the previous checkpoint intact
         drafter.save_pretrained(os.path.join(args.out, "drafter"))
         print0(f"step {step}: saved {ckpt_path} and {os.path.join(args.out, 'drafter')}/ (z-lab format)")
-
-def packer_state(step):
-    # every pair consumes one row per step, so the data position is a function of the step
-    return {"epoch": step // steps_per_epoch, "step": step % steps_per_epoch, "seed": args.seed}
 
 def reduce_drafters(t):
     if world > 1:

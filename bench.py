@@ -1,0 +1,199 @@
+"""
+GPU checks and measurements (needs CUDA and fla-core; not part of the CPU test suite).
+
+  python bench.py check                      # fla target == torch target on packed rows; flex step == dense step
+  python bench.py target --budget 8192       # qwen3.6-27b forward: ms, MFU, memory; full-attention kernels compared
+  python bench.py pair --anchors 512 --budget 8192 --steps 30
+      # runs train.py itself: both roles in one process on GPU 0 (each role timed alone), then one pair on
+      # GPUs 0-1 under torchrun; prints one table with MFU against the measured bf16 matmul peak
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from model import Target, TargetConfig, Drafter, DrafterConfig, sample_anchors, anchor_mask_mod, positions_from_cu
+
+p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+p.add_argument("what", choices=["check", "target", "pair"])
+p.add_argument("--anchors", type=int, default=512, help="draft blocks per row")
+p.add_argument("--budget", type=int, default=8192, help="tokens per row")
+p.add_argument("--drafter-layers", type=int, default=5, help="drafter decoder layers")
+p.add_argument("--steps", type=int, default=30, help="training steps per train.py run (the last 10 are timed)")
+p.add_argument("--docs", type=int, default=4, help="documents per row in the synthetic data")
+p.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "dflash-bench"), help="scratch dir")
+args = p.parse_args()
+dev = torch.device("cuda")
+
+def bench_ms(fn, iters=5):
+    fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b))
+    return float(np.median(ts))
+
+def matmul_peak():
+    # the ceiling MFU is measured against: a large bf16 GEMM on random data, this card, now
+    x, y = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16), torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    return 2 * 8192**3 / (bench_ms(lambda: x @ y, 20) * 1e-3)
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+def row_cu(S, docs):
+    cuts = np.sort(np.random.default_rng(0).choice(np.arange(64, S - 64), docs - 1, replace=False))
+    return torch.tensor([0, *cuts, S])
+
+if args.what == "check":
+    # 1) the fla-core path (bf16) against the plain-torch path (fp32) on a packed row, real head shapes
+    cfg = TargetConfig(vocab_size=1024, hidden_size=1024, intermediate_size=2048, num_hidden_layers=4,
+                       num_attention_heads=8, num_key_value_heads=2, linear_num_key_heads=4, linear_num_value_heads=12)
+    cpu = Target.build(cfg)
+    gpu = Target.build(cfg, device=dev, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 300, 1100, 1400, 2048])
+    ids = torch.randint(0, 1024, (2048,))
+    ref = cpu.features(ids, cu, [0, 1, 2, 3]).view(2048, 4, -1)
+    out = gpu.features(ids.to(dev), cu, [0, 1, 2, 3]).view(2048, 4, -1).cpu()
+    errs = [rel(out[:, i], ref[:, i]) for i in range(4)]
+    print(f"fla (bf16) vs torch (fp32) target features, 3 packed docs, per layer rel err: {['%.2e' % e for e in errs]}")
+    assert max(errs) < 3e-2, "fla path disagrees with the torch path"
+    # 2) the compiled flex BlockMask step against the dense-mask SDPA step: loss and every gradient
+    tcfg = TargetConfig.preset("tiny")
+    dcfg = DrafterConfig.from_target(tcfg, n_feat=3, num_attention_heads=8, num_key_value_heads=2, head_dim=64)
+    S, N = 512, 24
+    cu = torch.tensor([0, 100, 260, 400, 512])
+    tokens = torch.randint(1, 500, (S,), device=dev)
+    doc = torch.repeat_interleave(torch.arange(4), cu.diff()).to(dev)
+    pos = positions_from_cu(cu).to(dev)
+    lm = (torch.rand(S, device=dev) < 0.8).long()
+    feats = torch.randn(S, 3 * 64, device=dev)
+    tgt = Target.build(tcfg, device=dev)
+    anchors, keep = sample_anchors(lm, doc, N)
+    keep[-3:] = False                                             # padded slots too
+    res = {}
+    for name, flex in (("dense", None), ("flex", {})):
+        torch.manual_seed(0)
+        d = Drafter(dcfg).to(dev)
+        fn = lambda: d(feats, tokens, lm, doc, pos, anchors, keep, tgt.embed_tokens.weight, tgt.lm_head.weight, 7.0, flex)
+        out = (torch.compile(fn, fullgraph=True) if flex is not None else fn)()
+        out["loss"].backward()
+        res[name] = (out["loss"].detach(), {n: q.grad for n, q in d.named_parameters()})
+    gerr = max(rel(res["flex"][1][n], res["dense"][1][n]) for n in res["dense"][1])
+    print(f"flex vs dense drafter step: loss {res['flex'][0].item():.6f} vs {res['dense'][0].item():.6f}, max grad rel err {gerr:.2e}")
+    assert abs(res["flex"][0] - res["dense"][0]) < 1e-4 and gerr < 1e-3, "flex BlockMask path disagrees with the dense path"
+    print("check: OK")
+
+elif args.what == "target":
+    peak = matmul_peak()
+    cfg = TargetConfig.preset("qwen3.6-27b")
+    taps = DrafterConfig.from_target(cfg).target_layer_ids
+    t0 = time.time()
+    target = Target.build(cfg, device=dev, dtype=torch.bfloat16, n_layers=max(taps) + 1, head=False)
+    print(f"built qwen3.6-27b layers 0..{max(taps)} (random) in {time.time() - t0:.0f} s, "
+          f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB of weights")
+    cu = row_cu(args.budget, args.docs)
+    ids = torch.randint(0, cfg.vocab_size, (args.budget,), device=dev)
+    torch.cuda.reset_peak_memory_stats()
+    ms = bench_ms(lambda: target.features(ids, cu, taps))
+    fl = target.flops(cu, max(taps) + 1)
+    print(f"target forward, {args.budget} tokens in {args.docs} docs, taps {taps}: {ms:.1f} ms, "
+          f"{args.budget / ms * 1e3:.0f} tok/s, {fl / ms / 1e9:.0f} TFLOP/s, MFU {fl / (ms * 1e-3) / peak:.1%} "
+          f"(matmul peak {peak / 1e12:.0f} TFLOP/s), peak mem {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+    # the full-attention kernel choice, measured at this shape
+    T, nh, nkv, hd = args.budget, 24, 4, 256
+    q = torch.randn(nh, T, hd, device=dev, dtype=torch.bfloat16)
+    k, v = torch.randn(2, nkv, T, hd, device=dev, dtype=torch.bfloat16)
+    cl = cu.tolist()
+    def per_doc():
+        for s, e in zip(cl[:-1], cl[1:]):
+            F.scaled_dot_product_attention(q[:, s:e], k[:, s:e], v[:, s:e], is_causal=True, enable_gqa=True)
+    from torch.nn.attention.flex_attention import flex_attention, create_block_mask
+    doc = torch.repeat_interleave(torch.arange(len(cl) - 1), cu.diff()).to(dev)
+    bm = create_block_mask(lambda b, h, qi, ki: (doc[qi] == doc[ki]) & (ki <= qi), None, None, T, T, device=dev)
+    flex = torch.compile(flex_attention)
+    cands = {"SDPA per document": per_doc, "flex (document mask)": lambda: flex(q[None], k[None], v[None], block_mask=bm, enable_gqa=True)}
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+        cu32 = cu.to(dev, torch.int32)
+        mx = int(cu.diff().max())
+        qv, kv_, vv = q.transpose(0, 1).contiguous(), k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()
+        cands["varlen_attn"] = lambda: varlen_attn(qv, kv_, vv, cu32, cu32, mx, mx, window_size=(-1, 0), enable_gqa=True)
+    except Exception as e:      # signature differs across torch releases (reference/target.md section 6)
+        print(f"varlen_attn not measured: {type(e).__name__}: {e}")
+    for name, fn in cands.items():
+        try:
+            print(f"  full attention fwd, {T} tokens, {len(cl) - 1} docs, {name}: {bench_ms(fn, 10):.2f} ms")
+        except Exception as e:
+            print(f"  {name}: failed ({type(e).__name__}: {str(e)[:200]})")
+
+else:
+    # synthetic data with the real shapes: documents of 1-3K tokens, loss on the second half of each
+    from data import write_dataset
+    data = os.path.join(args.out, "data")
+    if not os.path.exists(os.path.join(data, "train", "meta.json")):
+        rng = np.random.default_rng(0)
+        def samples(n):
+            for _ in range(n):
+                L = int(rng.integers(1024, 3072))
+                yield rng.integers(0, 248000, L).astype(np.uint32), (np.arange(L) >= L // 2).astype(np.uint8)
+        write_dataset(os.path.join(data, "train"), samples(400), vocab_size=248320, force=True)
+        write_dataset(os.path.join(data, "val"), samples(8), vocab_size=248320, force=True)
+    common = ["train.py", "--target", "qwen3.6-27b", "--data", data, "--anchors", str(args.anchors), "--budget",
+              str(args.budget), "--drafter-layers", str(args.drafter_layers), "--max-steps", str(args.steps),
+              "--log-interval", "10", "--eval-interval", "100000", "--save-interval", "100000", "--eval-rows", "1"]
+    runs = {"roles (1 GPU, both roles)": [sys.executable] + common + ["--out", os.path.join(args.out, "one")],
+            "pair (2 GPUs)": ["torchrun", "--nproc_per_node=2"] + common + ["--out", os.path.join(args.out, "pair")]}
+    recs = {}
+    for name, cmd in runs.items():
+        if torch.cuda.device_count() < 2 and "pair" in name:
+            print("one GPU only: pair not run")
+            continue
+        log = cmd[cmd.index("--out") + 1]
+        if os.path.exists(os.path.join(log, "log.jsonl")):
+            os.remove(os.path.join(log, "log.jsonl"))
+        print("$ " + " ".join(cmd), flush=True)
+        subprocess.run(cmd, check=True)
+        recs[name] = [json.loads(l) for l in open(os.path.join(log, "log.jsonl")) if '"train"' in l][-1]
+    peak = matmul_peak()
+    tcfg = TargetConfig.preset("qwen3.6-27b")
+    dcfg = DrafterConfig.from_target(tcfg, num_hidden_layers=args.drafter_layers)
+    with torch.device("meta"):
+        tmeta, dmeta = Target(tcfg, n_layers=max(dcfg.target_layer_ids) + 1, head=False), Drafter(dcfg)
+    cu = row_cu(args.budget, max(2, args.budget // 2048))
+    tfl = tmeta.flops(cu, max(dcfg.target_layer_ids) + 1)
+    # attention FLOPs of the drafter depend on the mask: count the visible (query, key) pairs of a typical row
+    S, N, B = args.budget, args.anchors, dcfg.block_size
+    doc = torch.repeat_interleave(torch.arange(len(cu) - 1), cu.diff()).to(dev)
+    lm = torch.ones(S, dtype=torch.long, device=dev)
+    anchors, keep = sample_anchors(lm, doc, N)
+    vis = anchor_mask_mod(anchors, keep, doc, S, B)(0, 0, torch.arange(N * B, device=dev)[:, None],
+                                                    torch.arange(S + N * B, device=dev)[None, :]).sum().item()
+    dfl = dmeta.flops(S, N) + 3 * dcfg.num_hidden_layers * 4 * dcfg.num_attention_heads * dcfg.head_dim * vis
+    r1, r2 = recs.get("roles (1 GPU, both roles)"), recs.get("pair (2 GPUs)")
+    print(f"\n{torch.cuda.get_device_name()} | torch {torch.__version__} | matmul peak {peak / 1e12:.0f} TFLOP/s | "
+          f"anchors {N} budget {S} drafter layers {args.drafter_layers} | {time.strftime('%Y-%m-%d')}")
+    print(f"| measure | value |\n|---|---|")
+    if r1:
+        print(f"| target forward (alone) | {r1['ms_target']:.0f} ms, MFU {tfl / (r1['ms_target'] * 1e-3) / peak:.1%} |")
+        print(f"| drafter step (alone) | {r1['ms_drafter']:.0f} ms, MFU {dfl / (r1['ms_drafter'] * 1e-3) / peak:.1%} |")
+        print(f"| both roles on one GPU | {r1['tok_s']:.0f} context tok/s, peak mem {r1['mem_gib'][0]:.1f} GiB |")
+    if r2:
+        step = S / r2["tok_s"] * 1e3
+        print(f"| pair step | {step:.0f} ms, {r2['tok_s']:.0f} context tok/s per pair |")
+        print(f"| pair: target fwd / drafter wait / drafter step | {r2['ms_target']:.0f} / {r2['ms_wait']:.0f} / {r2['ms_drafter']:.0f} ms |")
+        print(f"| peak mem target GPU / drafter GPU | {r2['mem_gib'][0]:.1f} / {r2['mem_gib'][1]:.1f} GiB |")
+        if r1:
+            print(f"| pair step / slower role alone | {step / max(r1['ms_target'], r1['ms_drafter']):.2f} |")
+    print(f"| FLOPs per step: target fwd / drafter fwd+bwd | {tfl / 1e12:.0f} / {dfl / 1e12:.0f} TFLOP |")
