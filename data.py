@@ -391,7 +391,7 @@ def _summary(out, metas, t0, log):
 # -----------------------------------------------------------------------------
 # demo: the default dataset, made the DFlash way at toy scale
 
-def make_demo(out_dir, samples=96, val_samples=16, new_tokens=32, seed=0, force=False, log=print):
+def make_demo(out_dir, samples=384, val_samples=32, new_tokens=48, seed=0, force=False, log=print):
     """Random prompts of 8-24 tokens, each continued greedily for new_tokens by the `tiny` target of
     model.py, loss mask on the continuation: the data is the very target's own output, as DFlash trains,
     so the acceptance proxy is real acceptance against that target. The weights come from Target.build,

@@ -331,8 +331,11 @@ class Target(nn.Module):
                 t.fill_(1.0)                                            # GDN gated norm: plain weight
             elif p.dim() == 1:
                 t.zero_()                                               # zero-centred norms: scale 1 + 0
-            else:
-                seeded_init_(name, t, config.init_std)
+            else:   # embeddings N(0, 1) as nn.Embedding's default, so a random target's text is mostly a
+                # function of the last tokens (learnable: the demo's teacher); GPT-2's residual scaling on outputs
+                out = name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight"))
+                std = 1.0 if name == "embed_tokens.weight" else config.init_std
+                seeded_init_(name, t, std / (2 * config.num_hidden_layers) ** 0.5 if out else std)
             sd[name] = t.to(device)
         if config.tie_word_embeddings and head:
             sd["lm_head.weight"] = sd["embed_tokens.weight"]

@@ -21,8 +21,8 @@ from datetime import timedelta
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 g = p.add_argument_group("data")
-g.add_argument("--data", default=None, help="prepared dataset dir (data.py prepare); default: the demo data, built in --out on first use")
-g.add_argument("--budget", type=int, default=256, help="tokens per packed row (context length S), fixed for every step")
+g.add_argument("--data", default=None, help="prepared dataset dir (data.py prepare); default: the demo data, built in ./data/demo on first use")
+g.add_argument("--budget", type=int, default=128, help="tokens per packed row (context length S), fixed for every step")
 g.add_argument("--eval-rows", type=int, default=8, help="held-out rows per evaluation (from DATA/val)")
 g = p.add_argument_group("models")
 g.add_argument("--target", default="tiny", help="HF checkpoint dir of a Qwen3.5/3.6 model, or a preset: tiny, qwen3.6-27b (random weights)")
@@ -106,7 +106,7 @@ def sync():
 # data: the demo dataset is made on first use (the tiny target's own greedy continuations, data.py demo)
 
 os.makedirs(args.out, exist_ok=True)
-data_dir = args.data or os.path.join(args.out, "demo-data")
+data_dir = args.data or os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "demo")
 if args.data is None and not os.path.exists(os.path.join(data_dir, "train", "meta.json")):
     if local_rank == 0:
         print(f"building the demo dataset in {data_dir} (tiny target's greedy continuations)", flush=True)
