@@ -76,9 +76,12 @@ def unpad_docs(y, cu_list):
 
 def seeded_init_(name, t, std):
     # every tensor gets its own generator seeded by its name, so a rank that builds only some tensors
-    # (a drafter rank builds just embed_tokens + lm_head) gets exactly the weights the target rank has
-    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-    t.copy_(torch.empty(t.shape, dtype=t.dtype).normal_(0.0, std, generator=g))
+    # (a drafter rank builds just embed_tokens + lm_head) gets exactly the weights the target rank has.
+    # Small tensors are drawn on the CPU (a toy target is then the same on every device: the demo data was
+    # made on the CPU); big ones on their own device (27B CPU normals would take minutes).
+    dev = t.device if t.numel() >= 1 << 24 else torch.device("cpu")
+    g = torch.Generator(dev).manual_seed(zlib.crc32(name.encode()))
+    t.copy_(torch.empty(t.shape, dtype=t.dtype, device=dev).normal_(0.0, std, generator=g))
 
 # -----------------------------------------------------------------------------
 # Gated DeltaNet core in plain torch (CPU path and test reference for the fla kernel)
@@ -322,7 +325,7 @@ class Target(nn.Module):
             model = cls(config, n_layers, head)
         sd = {}
         for name, p in model.named_parameters():
-            t = torch.empty(p.shape, dtype=torch.float32 if name.endswith(("A_log", "dt_bias")) else dtype)
+            t = torch.empty(p.shape, dtype=torch.float32 if name.endswith(("A_log", "dt_bias")) else dtype, device=device)
             if name.endswith("A_log"):
                 t.copy_(torch.linspace(0.0, 2.7, p.numel()))            # decay rates exp(A) in [1, 15]
             elif name.endswith("dt_bias"):
@@ -336,7 +339,7 @@ class Target(nn.Module):
                 out = name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight"))
                 std = 1.0 if name == "embed_tokens.weight" else config.init_std
                 seeded_init_(name, t, std / (2 * config.num_hidden_layers) ** 0.5 if out else std)
-            sd[name] = t.to(device)
+            sd[name] = t
         if config.tie_word_embeddings and head:
             sd["lm_head.weight"] = sd["embed_tokens.weight"]
         model.load_state_dict(sd, assign=True)
