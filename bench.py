@@ -116,20 +116,23 @@ elif args.what == "target":
     q = torch.randn(nh, T, hd, device=dev, dtype=torch.bfloat16)
     k, v = torch.randn(2, nkv, T, hd, device=dev, dtype=torch.bfloat16)
     cl = cu.tolist()
-    def per_doc():
+    def per_doc(gqa):
+        kk, vv = (k, v) if gqa else (k.repeat_interleave(nh // nkv, 0), v.repeat_interleave(nh // nkv, 0))
         for s, e in zip(cl[:-1], cl[1:]):
-            F.scaled_dot_product_attention(q[:, s:e], k[:, s:e], v[:, s:e], is_causal=True, enable_gqa=True)
+            F.scaled_dot_product_attention(q[:, s:e], kk[:, s:e], vv[:, s:e], is_causal=True, enable_gqa=gqa)
     from torch.nn.attention.flex_attention import flex_attention, create_block_mask
     doc = torch.repeat_interleave(torch.arange(len(cl) - 1), cu.diff()).to(dev)
     bm = create_block_mask(lambda b, h, qi, ki: (doc[qi] == doc[ki]) & (ki <= qi), None, None, T, T, device=dev)
     flex = torch.compile(flex_attention)
-    cands = {"SDPA per document": per_doc, "flex (document mask)": lambda: flex(q[None], k[None], v[None], block_mask=bm, enable_gqa=True)}
+    cands = {"SDPA per document, enable_gqa": lambda: per_doc(True), "SDPA per document, K/V repeated": lambda: per_doc(False),
+             "flex (document mask)": lambda: flex(q[None], k[None], v[None], block_mask=bm, enable_gqa=True)}
     try:
         from torch.nn.attention.varlen import varlen_attn
         cu32 = cu.to(dev, torch.int32)
         mx = int(cu.diff().max())
-        qv, kv_, vv = q.transpose(0, 1).contiguous(), k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()
-        cands["varlen_attn"] = lambda: varlen_attn(qv, kv_, vv, cu32, cu32, mx, mx, window_size=(-1, 0), enable_gqa=True)
+        qv = q.transpose(0, 1).contiguous()
+        kv_, vv = (t.repeat_interleave(nh // nkv, 0).transpose(0, 1).contiguous() for t in (k, v))
+        cands["varlen_attn, K/V repeated"] = lambda: varlen_attn(qv, kv_, vv, cu32, cu32, mx, mx, window_size=(-1, 0))
     except Exception as e:      # signature differs across torch releases (reference/target.md section 6)
         print(f"varlen_attn not measured: {type(e).__name__}: {e}")
     for name, fn in cands.items():
