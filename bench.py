@@ -26,6 +26,7 @@ p.add_argument("--anchors", type=int, default=512, help="draft blocks per row")
 p.add_argument("--budget", type=int, default=8192, help="tokens per row")
 p.add_argument("--drafter-layers", type=int, default=5, help="drafter decoder layers")
 p.add_argument("--steps", type=int, default=30, help="training steps per train.py run (the last 10 are timed)")
+p.add_argument("--timeout", type=float, default=600, help="seconds allowed for each train.py run")
 p.add_argument("--docs", type=int, default=4, help="documents per row in the synthetic data")
 p.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "dflash-bench"), help="scratch dir")
 args = p.parse_args()
@@ -155,7 +156,7 @@ else:
         write_dataset(os.path.join(data, "val"), samples(8), vocab_size=248320, force=True)
     common = ["train.py", "--target", "qwen3.6-27b", "--data", data, "--anchors", str(args.anchors), "--budget",
               str(args.budget), "--drafter-layers", str(args.drafter_layers), "--max-steps", str(args.steps),
-              "--log-interval", "10", "--eval-interval", "100000", "--save-interval", "100000", "--eval-rows", "1"]
+              "--log-interval", str(max(1, args.steps // 3)), "--eval-interval", "100000", "--save-interval", "100000", "--eval-rows", "1"]
     runs = {"roles (1 GPU, both roles)": [sys.executable] + common + ["--out", os.path.join(args.out, "one")],
             "pair (2 GPUs)": ["torchrun", "--nproc_per_node=2"] + common + ["--out", os.path.join(args.out, "pair")]}
     recs = {}
@@ -167,8 +168,13 @@ else:
         if os.path.exists(os.path.join(log, "log.jsonl")):
             os.remove(os.path.join(log, "log.jsonl"))
         print("$ " + " ".join(cmd), flush=True)
-        subprocess.run(cmd, check=True)
-        recs[name] = [json.loads(l) for l in open(os.path.join(log, "log.jsonl")) if '"train"' in l][-1]
+        try:
+            subprocess.run(cmd, check=True, timeout=args.timeout)
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
+            print(f"{name}: {type(e).__name__}")
+        lines = [json.loads(l) for l in open(os.path.join(log, "log.jsonl")) if '"train"' in l]
+        if lines:
+            recs[name] = lines[-1]
     peak = matmul_peak()
     tcfg = TargetConfig.preset("qwen3.6-27b")
     dcfg = DrafterConfig.from_target(tcfg, num_hidden_layers=args.drafter_layers)

@@ -212,21 +212,20 @@ class GatedAttention(nn.Module):
         self.q_norm = RMSNorm(self.hd, self.eps, plus_one=True)
         self.k_norm = RMSNorm(self.hd, self.eps, plus_one=True)
 
-    def forward(self, x, rope, cu_list):
+    def forward(self, x, rope, cu, cu_list):
         T = x.shape[0]
         q, gate = self.q_proj(x).view(T, self.nh, 2 * self.hd).chunk(2, dim=-1)     # [T, nh, hd] each
         q = apply_rope(self.q_norm(q), *rope)
         k = apply_rope(self.k_norm(self.k_proj(x).view(T, self.nkv, self.hd)), *rope)
         v = self.v_proj(x).view(T, self.nkv, self.hd)
         if x.is_cuda:
-            # Document-causal attention as one causal SDPA per document, K/V repeated to the 24 query heads:
-            # with enable_gqa=True SDPA leaves the flash kernel (20 ms per layer at 8192 tokens on H200, measured).
-            q, k, v = (t.transpose(0, 1) for t in (q, k, v))                        # [heads, T, hd]
-            k, v = (t.repeat_interleave(self.nh // self.nkv, dim=0) for t in (k, v))
-            o = torch.empty_like(q)
-            for s, e in zip(cu_list[:-1], cu_list[1:]):
-                o[:, s:e] = F.scaled_dot_product_attention(q[:, s:e], k[:, s:e], v[:, s:e], is_causal=True)
-            o = o.transpose(0, 1)
+            # Document-causal attention as one varlen (flash) call over all documents, K/V repeated to the query
+            # heads. Measured on H200, 8192 tokens in 4 documents, forward: varlen_attn 1.15 ms, compiled flex
+            # with a document mask 1.24 ms, SDPA per document 20 ms (it leaves the flash kernel here).
+            from torch.nn.attention.varlen import varlen_attn
+            rep, cu32 = self.nh // self.nkv, cu.to(torch.int32)
+            L = max(b - a for a, b in zip(cu_list[:-1], cu_list[1:]))
+            o = varlen_attn(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), cu32, cu32, L, L, window_size=(-1, 0))
         else:
             # CPU: documents padded into one batch [n, heads, L, hd]; causal, so no query sees the padding
             q, k, v = (pad_docs(t, cu_list).transpose(1, 2) for t in (q, k, v))
@@ -252,7 +251,7 @@ class GatedDeltaNet(nn.Module):
         self.norm = RMSNorm(self.V, self.eps)              # plain weight, then * silu(z)
         self.out_proj = nn.Linear(vd, c.hidden_size, bias=False)
 
-    def forward(self, x, cu, cu_list):
+    def forward(self, x, rope, cu, cu_list):     # rope unused: GDN has no positions
         T, kd = x.shape[0], self.H * self.K
         qkv, z = self.in_proj_qkv(x), self.in_proj_z(x).view(T, self.HV, self.V)
         beta = torch.sigmoid(self.in_proj_b(x))
@@ -302,7 +301,7 @@ class TargetLayer(nn.Module):
 
     def forward(self, h, rope, cu, cu_list):
         x = self.input_layernorm(h)
-        h = h + (self.self_attn(x, rope, cu_list) if self.kind == "full_attention" else self.linear_attn(x, cu, cu_list))
+        h = h + (self.self_attn if self.kind == "full_attention" else self.linear_attn)(x, rope, cu, cu_list)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 class Target(nn.Module):

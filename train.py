@@ -161,24 +161,27 @@ if is_drafter:
                                                    bwd_BLOCK_N1=64, bwd_BLOCK_M2=32, bwd_BLOCK_N2=32)
     autocast = torch.autocast("cuda", torch.bfloat16) if cuda else nullcontext()
 
-    def drafter_step(feats, meta):
-        # the whole step: anchors, BlockMask, forward, loss; fixed shapes -> one graph for train, one for eval
-        tokens, loss_mask, doc, pos = meta[0], meta[1], meta[2], meta[3]
-        anchors, keep = sample_anchors(loss_mask, doc, N)
+    def drafter_step(feats, meta, anchors, keep):
+        # BlockMask, forward, loss: one graph for train and one for eval, fixed shapes
         with autocast:
-            return drafter(feats, tokens, loss_mask, doc, pos, anchors, keep, embed, head, args.gamma, flex)
+            return drafter(feats, meta[0], meta[1], meta[2], meta[3], anchors, keep, embed, head, args.gamma, flex)
 
-    def eval_step(feats, meta):
+    def eval_step(feats, meta, anchors, keep):
         with torch.no_grad():
-            return drafter_step(feats, meta)
+            return drafter_step(feats, meta, anchors, keep)
 
-    train_fn, eval_fn = drafter_step, eval_step
+    train_graph, eval_graph = drafter_step, eval_step
     if not args.no_compile:
         # a recompile after warm-up, or a hit recompile limit, would silently run flex_attention's dense
         # backward (~17 GB per layer at 512 anchors / 8192 budget): make both an error instead
         torch._dynamo.config.fail_on_recompile_limit_hit = True
-        train_fn = torch.compile(drafter_step, fullgraph=True, dynamic=False)
-        eval_fn = torch.compile(eval_step, fullgraph=True, dynamic=False)
+        train_graph = torch.compile(drafter_step, fullgraph=True, dynamic=False)
+        eval_graph = torch.compile(eval_step, fullgraph=True, dynamic=False)
+    # Anchors are sampled on device (a few kernels, no host sync) just before the graph and enter it as inputs:
+    # inductor's flex lowering fails on mask_mod tensors computed inside the same graph ("convert
+    # FlexibleLayout to FixedLayout first", torch 2.11).
+    train_fn = lambda feats, meta: train_graph(feats, meta, *sample_anchors(meta[1], meta[2], N))
+    eval_fn = lambda feats, meta: eval_graph(feats, meta, *sample_anchors(meta[1], meta[2], N))
     if cuda:
         warnings.filterwarnings("error", message=".*flex_attention called without torch.compile.*")
 
@@ -366,6 +369,7 @@ acc, eval_acc = torch.zeros(K, device=device), torch.zeros(K, device=device)
 gnorm_sum = torch.zeros((), device=device)
 bad_rows = torch.zeros(args.log_interval, 3, dtype=torch.long, device=device)   # step, epoch, row index
 times, checked_fused, t_window, n_window = [], not cuda, time.perf_counter(), 0
+t_start = t_window
 
 def metrics(out, bad):
     return torch.cat([torch.stack([out["loss"].detach().float().nan_to_num(0.0), out["accept_sum"].float(),
@@ -393,7 +397,9 @@ for step, kind, r in schedule(start_step):
         torch.manual_seed(args.seed * 1_000_003 + step * 1009 + pair)   # anchors: a function of (seed, step, pair)
         for gr in opt.param_groups:
             gr["lr"] = lr_at(step)
-        prof = None if checked_fused else torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+        # the fused-backward check profiles the first step after the one that compiled (a profiler around
+        # compilation would also record every autotuning kernel)
+        prof = None if checked_fused or step == start_step else torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
         if prof:
             prof.__enter__()
         out = train_fn(feats, meta)
@@ -407,6 +413,9 @@ for step, kind, r in schedule(start_step):
         opt.step()
         opt.zero_grad(set_to_none=True)
         times.append((m0, m1, mark()))
+        if step == start_step:
+            sync()
+            print0(f"step {step}: first step done (drafter graph compiled) {time.perf_counter() - t_start:.0f} s after start")
         if prof:
             prof.__exit__(None, None, None)
             fused = sorted({e.name for e in prof.events() if "flex_attention_backward" in e.name})
