@@ -298,17 +298,19 @@ if is_target and world > 1:
             m0 = mark()
             feats, meta = target_features(row), row_meta(row)
             fwd.append((m0, mark()))
-            inflight.append([dist.isend(feats, peer), dist.isend(meta, peer), feats, meta])
+            # one batched P2P op per row: NCCL serializes unbatched sends with every other op on the group
+            inflight.append((dist.batch_isend_irecv([dist.P2POp(dist.isend, t_, peer) for t_ in (feats, meta)]), feats, meta))
             if len(inflight) > 2:        # reuse a slot only once the drafter has taken its row
-                for w in inflight.pop(0)[:2]:
+                for w in inflight.pop(0)[0]:
                     w.wait()
         elif kind == "log":
             sync()
             gather_stats([sum(ms(a, b) for a, b in fwd) / max(len(fwd), 1),
                           torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0])
             fwd = []
-    for w in inflight:
-        w[0].wait(), w[1].wait()
+    for works, _, _ in inflight:
+        for w in works:
+            w.wait()
     sync()
     dist.barrier()
     dist.destroy_process_group()
@@ -320,6 +322,7 @@ if is_target and world > 1:
 bufs = [(torch.empty(S, n_feat * tcfg.hidden_size, dtype=tdtype, device=device),
          torch.empty(5, S, dtype=torch.int64, device=device)) for _ in range(2)]     # (feats, meta) x 2 slots
 slot, pending, tfwd = 0, None, []
+rows_left = [sum(kind in ("eval", "train") for _, kind, _ in schedule(start_step))]   # never post a recv nobody answers
 
 def next_row(kind, r):
     """The next (feats, meta) from this pair's target. In world size 1 the target runs here, in this process."""
@@ -332,10 +335,12 @@ def next_row(kind, r):
             tfwd.append((m0, mark()))
         bufs[slot][0].copy_(feats), bufs[slot][1].copy_(row_meta(row))
     else:
-        pending = pending or [dist.irecv(t, peer) for t in bufs[slot]]
+        recv = lambda s: dist.batch_isend_irecv([dist.P2POp(dist.irecv, t_, peer) for t_ in bufs[s]])
+        pending = pending or recv(slot)
         for w in pending:
             w.wait()
-        pending = [dist.irecv(t, peer) for t in bufs[1 - slot]]   # the next row lands while we compute
+        rows_left[0] -= 1
+        pending = recv(1 - slot) if rows_left[0] else None   # the next row lands in the other slot while we compute
     out, slot = bufs[slot], 1 - slot
     return out
 
