@@ -145,6 +145,7 @@ n_layers = max(taps) + 1 if is_target else 0
 target = load(tcfg if preset else args.target, device=device, dtype=tdtype, n_layers=n_layers, head=is_drafter)
 
 if is_drafter:
+    torch.manual_seed(args.seed)      # every drafter rank starts from the same weights (checked at the end)
     drafter = (Drafter.from_pretrained(args.init_drafter) if args.init_drafter else Drafter(dcfg)).to(device)
     if drafter.config.hidden_size != tcfg.hidden_size or drafter.config.target_layer_ids != taps:
         sys.exit(f"error: --init-drafter {args.init_drafter} (hidden {drafter.config.hidden_size}, taps "
@@ -460,5 +461,12 @@ for step, kind, r in schedule(start_step):
         times, tfwd, n_window, t_window = [], [], 0, time.perf_counter()
 
 if world > 1:
+    # data parallel must leave every drafter with the same weights: check it, do not assume it
+    diff = torch.zeros((), device=device)
+    for p_ in params:
+        q = p_.detach().clone()
+        dist.broadcast(q, log_rank, group=drafter_group)
+        diff = torch.maximum(diff, (q - p_.detach()).abs().max())
+    print0(f"end: drafter weights identical across {n_pairs} drafter(s): max abs diff {reduce_drafters(diff).item():.3g}")
     dist.barrier()
     dist.destroy_process_group()

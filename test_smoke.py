@@ -1,0 +1,1614 @@
+"""
+CPU tests, minutes not hours, every module against an independent reference, plus real end-to-end runs of
+train.py (one process, torchrun with gloo). Run: python -m pytest -q test_smoke.py
+Nothing here needs a GPU or the network; transformers/tokenizers are test-only dependencies.
+"""
+import contextlib
+import copy
+import importlib
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from model import Target, TargetConfig, positions_from_cu, torch_chunk_gated_delta_rule
+from safetensors import safe_open
+import model
+from model import (Drafter, DrafterConfig, Target, TargetConfig, anchor_mask_mod, default_target_layer_ids,
+                   positions_from_cu, rope_cos_sin, sample_anchors)
+import numpy as np
+import data
+from data import DataError, Packer, open_dataset, write_dataset
+
+
+# -------------------------------------------------------------------------------------------------------------
+# the target (model.py, top half): delta rule, packing, checkpoints, HF parity, 27B geometry
+
+LIN, FULL = "linear_attention", "full_attention"
+
+
+
+def assert_rel(actual, expected, tol=1e-4, what=""):
+    # max abs error relative to the reference's largest magnitude
+    actual, expected = actual.float(), expected.float()
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} vs {tuple(expected.shape)}"
+    err, scale = (actual - expected).abs().max().item(), expected.abs().max().item()
+    assert err <= tol * max(scale, 1e-6), f"{what}: max abs err {err:.3g} vs scale {scale:.3g} (rel tol {tol})"
+
+
+def cu_of(lens):
+    return torch.tensor([0] + list(lens)).cumsum(0)
+
+
+def randomize_(model, seed):
+    """Random values for every tensor of one of our models, norms included (1-D zero-centred norm weights get
+    small offsets, so a loader or forward that mixes up w and 1+w shows)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            r = torch.randn(p.shape, generator=g)
+            if name.endswith("A_log"):
+                p.copy_(torch.rand(p.shape, generator=g) * 2.5 - 1.0)
+            elif name.endswith("dt_bias"):
+                p.copy_(r)
+            elif name.endswith("linear_attn.norm.weight"):
+                p.copy_(1.0 + 0.3 * r)
+            elif p.dim() == 1:
+                p.copy_(0.3 * r)
+            elif name.endswith("conv1d.weight"):
+                p.copy_(0.5 * r)
+            else:
+                p.copy_(r * p.shape[-1] ** -0.5)
+    return model
+
+
+# -----------------------------------------------------------------------------
+# 1. the chunked torch gated delta rule against the per-token recurrence
+
+def recurrent_delta_rule(q, k, v, g, beta):
+    # S <- exp(g_t) S;  u = beta_t (v_t - S^T k_t);  S <- S + k_t u^T;  o_t = S^T q_t   (fp64, per v-head)
+    q, k, v, g, beta = (t.double() for t in (q, k, v, g, beta))
+    T, HV, K = k.shape
+    S = torch.zeros(HV, K, v.shape[-1], dtype=torch.float64)
+    out = []
+    for t in range(T):
+        S = S * g[t].exp()[:, None, None]
+        u = beta[t][:, None] * (v[t] - torch.einsum("hkv,hk->hv", S, k[t]))
+        S = S + k[t][:, :, None] * u[:, None, :]
+        out.append(torch.einsum("hkv,hk->hv", S, q[t]))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("T,chunk,g_max", [(150, 64, 2.3), (1, 64, 2.3), (64, 64, 2.3), (77, 16, 2.3), (100, 64, 30.0)])
+def test_chunk_delta_rule_matches_recurrence(T, chunk, g_max):
+    gen = torch.Generator().manual_seed(T)
+    HV, K, V = 3, 16, 8
+    q = F.normalize(torch.randn(T, HV, K, generator=gen), dim=-1) * K ** -0.5
+    k = F.normalize(torch.randn(T, HV, K, generator=gen), dim=-1)
+    v = torch.randn(T, HV, V, generator=gen)
+    # per-step decays from ~1 (long memory, so state crosses chunk boundaries) to exp(-g_max); g_max 30 makes
+    # the in-chunk cumulative decay underflow exp() in fp32, which must give zeros, not inf/nan
+    g = -torch.rand(T, HV, generator=gen) ** 3 * g_max
+    beta = torch.rand(T, HV, generator=gen)
+    o = torch_chunk_gated_delta_rule(q, k, v, g, beta, chunk=chunk)
+    assert o.shape == (T, HV, V) and o.dtype == torch.float32
+    ref = recurrent_delta_rule(q, k, v, g, beta)
+    assert torch.isfinite(o).all()
+    # with g_max 30 the in-chunk log-decay cumsum reaches ~-560, where fp32 keeps ~5e-5 relative precision of the
+    # pairwise differences exp(gc_i - gc_j) (HF's torch_chunk_gated_delta_rule has the same 5e-5 error here)
+    assert_rel(o, ref, 2e-5 if g_max < 10 else 2e-4, "chunk vs recurrent")
+    if T > chunk and g_max < 10:   # the state carried into later chunks matters here (a reset per chunk would fail)
+        assert (recurrent_delta_rule(q[chunk:], k[chunk:], v[chunk:], g[chunk:], beta[chunk:]) - ref[chunk:]).abs().max() > 1e-2
+
+
+# -----------------------------------------------------------------------------
+# 2. packing: a row of three documents equals the documents run alone
+
+def test_positions_from_cu():
+    assert positions_from_cu(cu_of([3, 1, 4])).tolist() == [0, 1, 2, 0, 0, 1, 2, 3]
+
+
+def test_packed_documents_equal_separate_runs():
+    torch.manual_seed(0)
+    cfg = TargetConfig.preset("tiny")
+    target = Target.build(cfg, dtype=torch.float32)
+    randomize_(target, 1)
+    lens = [37, 70, 21]                 # the middle one spans two 64-token GDN chunks
+    docs = [torch.randint(0, cfg.vocab_size, (n,)) for n in lens]
+    ids, cu = torch.cat(docs), cu_of(lens)
+    layers = list(range(cfg.num_hidden_layers))
+    feats, logits = target.features(ids, cu, layers), target.logits(ids, cu)
+    assert feats.shape == (sum(lens), len(layers) * cfg.hidden_size) and logits.shape == (sum(lens), cfg.vocab_size)
+    for d, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        one = torch.tensor([0, e - s])
+        assert_rel(feats[s:e], target.features(docs[d], one, layers), 3e-5, f"doc {d} features")
+        assert_rel(logits[s:e], target.logits(docs[d], one), 3e-5, f"doc {d} logits")
+    # the check has teeth: without the boundaries the later documents come out different
+    joined = target.features(ids, torch.tensor([0, sum(lens)]), layers)
+    assert (joined[lens[0]:] - feats[lens[0]:]).abs().max() > 1e-2
+
+
+# -----------------------------------------------------------------------------
+# 3. checkpoint layouts (official multimodal, sharded; text-only, single file), n_layers, head
+
+SMALL = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+             layer_types=[LIN, FULL, LIN, LIN, FULL, LIN],       # not the interval-4 pattern: must be read
+             num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
+             linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+             rms_norm_eps=1e-6, rope_theta=1000.0, partial_rotary_factor=0.5, max_position_embeddings=1024)
+
+
+def text_config_json(cfg, flat_rope=False):
+    t = {k: getattr(cfg, k) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                       "layer_types", "num_attention_heads", "num_key_value_heads", "head_dim",
+                                       "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                                       "linear_value_head_dim", "linear_conv_kernel_dim", "rms_norm_eps",
+                                       "max_position_embeddings", "tie_word_embeddings")}
+    t.update(model_type="qwen3_5_text", hidden_act="silu", full_attention_interval=4, attn_output_gate=True,
+             attention_bias=False, mtp_num_hidden_layers=1, mamba_ssm_dtype="float32", dtype="bfloat16")
+    rot = int(cfg.head_dim * cfg.partial_rotary_factor) // 2
+    rope = dict(rope_type="default", rope_theta=cfg.rope_theta, partial_rotary_factor=cfg.partial_rotary_factor,
+                mrope_section=[rot - 2 * (rot // 3), rot // 3, rot // 3], mrope_interleaved=True)
+    if flat_rope:   # some converted exports flatten the rope fields into the text config
+        t.update(rope_theta=rope["rope_theta"], partial_rotary_factor=rope["partial_rotary_factor"],
+                 mrope_section=rope["mrope_section"])
+    else:
+        t.update(rope_parameters=rope, partial_rotary_factor=cfg.partial_rotary_factor)
+    return t
+
+
+def write_official(path, cfg, sd, n_shards=3):
+    """Qwen3_5ForConditionalGeneration layout: model.language_model.* + lm_head.weight, plus vision and MTP
+    tensors the loader must skip, sharded with an index."""
+    os.makedirs(path, exist_ok=True)
+    tensors = {("lm_head.weight" if n == "lm_head.weight" else "model.language_model." + n): t.contiguous()
+               for n, t in sd.items()}
+    tensors.update({"model.visual.patch_embed.proj.weight": torch.randn(8, 3, 2, 4, 4),
+                    "model.visual.blocks.0.attn.qkv.weight": torch.randn(24, 8),
+                    "model.visual.merger.linear_fc2.weight": torch.randn(cfg.hidden_size, 16),
+                    "mtp.fc.weight": torch.randn(cfg.hidden_size, 2 * cfg.hidden_size),
+                    "mtp.layers.0.self_attn.q_proj.weight": torch.randn(7, 5),     # wrong shapes on purpose
+                    "mtp.norm.weight": torch.randn(3)})
+    names = sorted(tensors)   # lm_head.weight sorts first, model.language_model.embed_tokens elsewhere
+    weight_map = {}
+    for i in range(n_shards):
+        file = f"model-{i + 1:05d}-of-{n_shards:05d}.safetensors"
+        part = {n: tensors[n] for n in names[i::n_shards]}
+        save_file(part, os.path.join(path, file), metadata={"format": "pt"})
+        weight_map.update({n: file for n in part})
+    assert len(set(weight_map[n] for n in weight_map if n.startswith(("lm_head", "model.language_model")))) > 1
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": sum(t.numel() * 4 for t in tensors.values())},
+                   "weight_map": weight_map}, f)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+                   "tie_word_embeddings": cfg.tie_word_embeddings, "image_token_id": 248056,
+                   "text_config": text_config_json(cfg),
+                   "vision_config": {"model_type": "qwen3_5_vision", "depth": 1, "hidden_size": 8}}, f)
+
+
+def write_text_only(path, cfg, sd, flat_rope=True):
+    """Qwen3_5ForCausalLM layout: model.* + lm_head.weight in one model.safetensors."""
+    os.makedirs(path, exist_ok=True)
+    tensors = {("lm_head.weight" if n == "lm_head.weight" else "model." + n): t.contiguous() for n, t in sd.items()}
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({"architectures": ["Qwen3_5ForCausalLM"], **text_config_json(cfg, flat_rope)}, f)
+
+
+@pytest.fixture(scope="module")
+def small_ckpts(tmp_path_factory):
+    cfg = TargetConfig(**SMALL)
+    src = randomize_(Target.build(cfg, dtype=torch.float32), 2)
+    sd = {n: p.detach().clone() for n, p in src.state_dict().items()}
+    root = tmp_path_factory.mktemp("ckpt")
+    write_official(str(root / "official"), cfg, sd)
+    write_text_only(str(root / "text"), cfg, sd)
+    ids = torch.randint(0, cfg.vocab_size, (90,), generator=torch.Generator().manual_seed(3))
+    cu = cu_of([50, 40])
+    return dict(cfg=cfg, src=src, sd=sd, root=root, ids=ids, cu=cu)
+
+
+@pytest.mark.parametrize("layout", ["official", "text"])
+def test_checkpoint_layouts_load(small_ckpts, layout):
+    c = small_ckpts
+    path = str(c["root"] / layout)
+    cfg = TargetConfig.from_hf(path)
+    assert cfg == c["cfg"], "config.json parsed into a different TargetConfig"
+    t = Target.from_pretrained(path, dtype=torch.float32)
+    got = t.state_dict()
+    assert set(got) == set(c["sd"]), "loaded a different set of tensors (vision/MTP must be skipped)"
+    for n, v in c["sd"].items():
+        assert torch.equal(got[n], v), n
+    layers = list(range(cfg.num_hidden_layers))
+    ref_f, ref_l = c["src"].features(c["ids"], c["cu"], layers), c["src"].logits(c["ids"], c["cu"])
+    torch.testing.assert_close(t.features(c["ids"], c["cu"], layers), ref_f, rtol=0, atol=1e-6)
+    torch.testing.assert_close(t.logits(c["ids"], c["cu"]), ref_l, rtol=0, atol=1e-6)
+
+
+def test_both_layouts_identical_and_dtypes(small_ckpts):
+    c = small_ckpts
+    a = Target.from_pretrained(str(c["root"] / "official"), dtype=torch.float32)
+    b = Target.from_pretrained(str(c["root"] / "text"), dtype=torch.float32)
+    layers = [4, 0, 2]                  # any order: features are concatenated in the order asked
+    fa, fb = a.features(c["ids"], c["cu"], layers), b.features(c["ids"], c["cu"], layers)
+    assert torch.equal(fa, fb)
+    full = a.features(c["ids"], c["cu"], list(range(6)))
+    H = c["cfg"].hidden_size
+    assert torch.equal(fa, torch.cat([full[:, i * H:(i + 1) * H] for i in layers], -1))
+    # bf16 load: everything bf16 except the fp32 GDN decay parameters
+    h = Target.from_pretrained(str(c["root"] / "official"), dtype=torch.bfloat16)
+    assert h.embed_tokens.weight.dtype == torch.bfloat16 and h.layers[0].linear_attn.in_proj_qkv.weight.dtype == torch.bfloat16
+    assert h.layers[0].linear_attn.A_log.dtype == torch.float32 and h.layers[0].linear_attn.dt_bias.dtype == torch.float32
+    assert torch.equal(h.layers[0].linear_attn.A_log, c["sd"]["layers.0.linear_attn.A_log"])
+
+
+@pytest.mark.parametrize("layout", ["official", "text"])
+def test_partial_builds(small_ckpts, layout):
+    c = small_ckpts
+    path = str(c["root"] / layout)
+    full = Target.from_pretrained(path, dtype=torch.float32)
+    taps = [1, 3]
+    # target rank: layers up to the last tapped one, no head
+    part = Target.from_pretrained(path, dtype=torch.float32, n_layers=max(taps) + 1, head=False)
+    assert len(part.layers) == max(taps) + 1 and part.lm_head is None and part.norm is None
+    assert all(not n.startswith(("layers.4.", "layers.5.", "norm.", "lm_head.")) for n, _ in part.named_parameters())
+    torch.testing.assert_close(part.features(c["ids"], c["cu"], taps), full.features(c["ids"], c["cu"], taps),
+                               rtol=0, atol=0)
+    with pytest.raises(AssertionError):
+        part.features(c["ids"], c["cu"], [4])
+    # drafter rank: embed_tokens + lm_head only
+    head = Target.from_pretrained(path, dtype=torch.float32, n_layers=0, head=True)
+    assert len(head.layers) == 0 and head.norm is None
+    assert {n for n, _ in head.named_parameters()} == {"embed_tokens.weight", "lm_head.weight"}
+    assert torch.equal(head.embed_tokens.weight, full.embed_tokens.weight)
+    assert torch.equal(head.lm_head.weight, full.lm_head.weight)
+    assert not torch.equal(head.lm_head.weight, head.embed_tokens.weight)
+
+
+def test_tied_embeddings_text_only(tmp_path):
+    cfg = TargetConfig(**{**SMALL, "num_hidden_layers": 2, "layer_types": [LIN, FULL], "tie_word_embeddings": True})
+    src = randomize_(Target.build(cfg, dtype=torch.float32), 4)
+    sd = {n: p.detach().clone() for n, p in src.state_dict().items() if n != "lm_head.weight"}
+    write_text_only(str(tmp_path), cfg, sd, flat_rope=False)
+    t = Target.from_pretrained(str(tmp_path), dtype=torch.float32)
+    assert torch.equal(t.lm_head.weight, sd["embed_tokens.weight"])
+    ids, cu = torch.randint(0, cfg.vocab_size, (20,)), cu_of([20])
+    ref = F.linear(src.norm(src.features(ids, cu, [1])), sd["embed_tokens.weight"])
+    torch.testing.assert_close(t.logits(ids, cu), ref, rtol=0, atol=1e-5)
+
+
+def test_config_layer_types_from_interval(tmp_path):
+    cfg = TargetConfig(**SMALL)
+    t = text_config_json(cfg)
+    del t["layer_types"]
+    t.update(num_hidden_layers=8, full_attention_interval=4)
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump({"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": t}, f)
+    got = TargetConfig.from_hf(str(tmp_path))
+    assert got.layer_types == [LIN, LIN, LIN, FULL] * 2
+    assert (got.rope_theta, got.partial_rotary_factor) == (1000.0, 0.5)
+
+
+# -----------------------------------------------------------------------------
+# 5. bad checkpoints raise the promised errors
+
+def test_missing_tensor_in_index(small_ckpts, tmp_path):
+    c = small_ckpts
+    sd = dict(c["sd"])
+    del sd["layers.2.linear_attn.in_proj_b.weight"]
+    write_official(str(tmp_path), c["cfg"], sd)
+    with pytest.raises(KeyError) as e:
+        Target.from_pretrained(str(tmp_path), dtype=torch.float32)
+    assert "model.language_model.layers.2.linear_attn.in_proj_b.weight" in str(e.value) and str(tmp_path) in str(e.value)
+    # not needed by a rank that builds only layers 0-1: loads fine
+    Target.from_pretrained(str(tmp_path), dtype=torch.float32, n_layers=2, head=False)
+
+
+def test_missing_tensor_in_shard(small_ckpts, tmp_path):
+    c = small_ckpts
+    write_official(str(tmp_path), c["cfg"], c["sd"])
+    with open(tmp_path / "model.safetensors.index.json") as f:
+        wm = json.load(f)["weight_map"]
+    key = "model.language_model.layers.1.self_attn.k_norm.weight"
+    file = wm[key]
+    with open(tmp_path / "model.safetensors.index.json", "w") as f:   # index lists it in the wrong shard
+        json.dump({"weight_map": {**wm, key: next(v for v in wm.values() if v != file)}}, f)
+    with pytest.raises(KeyError) as e:
+        Target.from_pretrained(str(tmp_path), dtype=torch.float32)
+    assert key in str(e.value) and str(tmp_path) in str(e.value) and ".safetensors" in str(e.value)
+
+
+def test_missing_tensor_text_only(small_ckpts, tmp_path):
+    c = small_ckpts
+    write_text_only(str(tmp_path), c["cfg"], {n: v for n, v in c["sd"].items() if n != "lm_head.weight"})
+    with pytest.raises(KeyError) as e:
+        Target.from_pretrained(str(tmp_path), dtype=torch.float32)
+    assert "lm_head.weight" in str(e.value) and str(tmp_path) in str(e.value)
+
+
+@pytest.mark.parametrize("layout", ["official", "text"])
+def test_shape_mismatch(small_ckpts, tmp_path, layout):
+    c = small_ckpts
+    sd = {**c["sd"], "layers.1.self_attn.q_proj.weight": torch.zeros(128, 64)}   # gate half missing
+    (write_official if layout == "official" else write_text_only)(str(tmp_path), c["cfg"], sd)
+    with pytest.raises(ValueError) as e:
+        Target.from_pretrained(str(tmp_path), dtype=torch.float32)
+    msg = str(e.value)
+    assert "layers.1.self_attn.q_proj.weight" in msg and str(tmp_path) in msg and ".safetensors" in msg
+
+
+@pytest.mark.parametrize("arch,model_type", [("Qwen3NextForCausalLM", "qwen3_next"), ("LlamaForCausalLM", "llama"),
+                                             ("Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe")])
+def test_unsupported_model_type(small_ckpts, tmp_path, arch, model_type):
+    c = small_ckpts
+    write_text_only(str(tmp_path), c["cfg"], c["sd"])
+    with open(tmp_path / "config.json") as f:
+        cfg = json.load(f)
+    cfg.update(architectures=[arch], model_type=model_type)
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(ValueError, match="config.json"):
+        Target.from_pretrained(str(tmp_path), dtype=torch.float32)
+    with pytest.raises(ValueError, match="config.json"):
+        TargetConfig.from_hf(str(tmp_path))
+
+
+def test_no_safetensors(small_ckpts, tmp_path):
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump({"architectures": ["Qwen3_5ForCausalLM"], **text_config_json(small_ckpts["cfg"])}, f)
+    torch.save({}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(FileNotFoundError) as e:
+        Target.from_pretrained(str(tmp_path), dtype=torch.float32)
+    assert str(tmp_path) in str(e.value)
+
+
+# -----------------------------------------------------------------------------
+# 6. the 27B geometry and parameter count
+
+def test_qwen36_27b_preset():
+    c = TargetConfig.preset("qwen3.6-27b")
+    assert (c.num_hidden_layers, c.hidden_size, c.intermediate_size, c.vocab_size) == (64, 5120, 17408, 248320)
+    assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (24, 4, 256)
+    assert (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim) == (16, 48, 128, 128)
+    assert c.linear_conv_kernel_dim == 4 and c.rms_norm_eps == 1e-6 and c.rope_theta == 1e7
+    assert c.partial_rotary_factor == 0.25 and c.tie_word_embeddings is False
+    assert [i for i, t in enumerate(c.layer_types) if t == FULL] == list(range(3, 64, 4))
+    assert all(t == LIN for i, t in enumerate(c.layer_types) if i % 4 != 3)
+    with torch.device("meta"):
+        m = Target(c)
+    assert sum(p.numel() for p in m.parameters()) == 26_895_998_464
+    assert len(m.state_dict()) == 851       # 48*14 + 16*11 + embed, norm, lm_head (target.md section 2)
+    shapes = {n: tuple(p.shape) for n, p in m.named_parameters()}
+    assert shapes["layers.0.linear_attn.in_proj_qkv.weight"] == (10240, 5120)
+    assert shapes["layers.0.linear_attn.conv1d.weight"] == (10240, 1, 4)
+    assert shapes["layers.0.linear_attn.A_log"] == (48,) and shapes["layers.0.linear_attn.norm.weight"] == (128,)
+    assert shapes["layers.3.self_attn.q_proj.weight"] == (12288, 5120)
+    assert shapes["layers.3.self_attn.k_proj.weight"] == (1024, 5120)
+    assert shapes["layers.3.self_attn.o_proj.weight"] == (5120, 6144)
+    assert shapes["lm_head.weight"] == (248320, 5120)
+
+
+# -----------------------------------------------------------------------------
+# 4. match Hugging Face transformers' Qwen3.5 (torch fallback path on CPU)
+
+def hf_qwen3_5():
+    """transformers' Qwen3.5 modeling module, imported with fla and causal_conv1d hidden: it binds those kernels
+    at import time when they are installed, and their Triton kernels cannot run on CPU tensors."""
+    name = "transformers.models.qwen3_5.modeling_qwen3_5"
+    if name not in sys.modules:
+        saved = {m: sys.modules.get(m) for m in ("fla", "causal_conv1d")}
+        try:
+            sys.modules.update(dict.fromkeys(saved))          # None in sys.modules makes the import fail
+            importlib.import_module(name)
+        finally:
+            for m, mod in saved.items():
+                if mod is None:
+                    sys.modules.pop(m, None)
+                else:
+                    sys.modules[m] = mod
+    return sys.modules[name]
+
+
+def hf_model(partial_rotary_factor, seed):
+    hf = hf_qwen3_5()
+    Qwen3_5ForCausalLM, Qwen3_5TextConfig = hf.Qwen3_5ForCausalLM, hf.Qwen3_5TextConfig
+    rot = int(32 * partial_rotary_factor) // 2
+    cfg = Qwen3_5TextConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4,   # layers 0-2 GDN, 3 attention
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+        max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=partial_rotary_factor,
+                             mrope_section=[rot - 2 * (rot // 3), rot // 3, rot // 3], mrope_interleaved=True),
+        attn_implementation="eager")
+    assert cfg.layer_types == [LIN, LIN, LIN, FULL]
+    torch.manual_seed(seed)
+    m = Qwen3_5ForCausalLM(cfg).eval()
+    assert m.config._attn_implementation == "eager"
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty_like(p).uniform_(-1.0, 1.5))
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.randn_like(p))
+            elif name.endswith("linear_attn.norm.weight"):   # plain-weight gated norm (init ones)
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+            elif p.dim() == 1:                                # zero-centred norms (init zeros): exercise 1 + w
+                p.copy_(0.3 * torch.randn_like(p))
+            elif name.endswith("conv1d.weight"):
+                p.copy_(0.5 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5)
+    return m
+
+
+def hf_run(m, ids):
+    """HF forward of one document -> (outputs of every decoder layer, logits). hidden_states[i+1] is layer i's
+    output except the last entry, which this transformers version returns after the final norm; forward hooks
+    give every layer's raw output."""
+    raw, hooks = [], [layer.register_forward_hook(lambda mod, args, out: raw.append(out[0] if isinstance(out, tuple) else out))
+                      for layer in m.model.layers]
+    try:
+        with torch.no_grad():
+            out = m(ids[None], output_hidden_states=True, use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    L = len(m.model.layers)
+    assert len(raw) == L and len(out.hidden_states) == L + 1
+    for i in range(L - 1):
+        assert torch.equal(out.hidden_states[i + 1], raw[i])
+    return [r[0] for r in raw], out.logits[0]
+
+
+def save_hf(m, path):
+    m.save_pretrained(path)
+    with open(os.path.join(path, "config.json")) as f:
+        assert json.load(f)["model_type"] == "qwen3_5_text"
+    from safetensors import safe_open
+    files = [f for f in os.listdir(path) if f.endswith(".safetensors")]
+    keys = set()
+    for file in files:
+        with safe_open(os.path.join(path, file), "pt") as f:
+            keys |= set(f.keys())
+    assert "lm_head.weight" in keys and "model.embed_tokens.weight" in keys
+    assert "model.layers.0.linear_attn.in_proj_qkv.weight" in keys and "model.layers.3.self_attn.q_norm.weight" in keys
+    return Target.from_pretrained(path, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module", params=[0.25, 0.5])
+def hf_pair(request, tmp_path_factory):
+    m = hf_model(request.param, seed=5)
+    ours = save_hf(m, str(tmp_path_factory.mktemp("hf")))
+    assert ours.config.partial_rotary_factor == request.param and ours.config.rope_theta == 10000.0
+    return m, ours
+
+
+def test_matches_hf_single_document(hf_pair):
+    m, ours = hf_pair
+    ids = torch.randint(0, 300, (150,), generator=torch.Generator().manual_seed(6))   # > 2 GDN chunks
+    cu = cu_of([150])
+    hs, logits = hf_run(m, ids)
+    for i in range(len(hs)):
+        assert_rel(ours.features(ids, cu, [i]), hs[i], 1e-4, f"layer {i}")
+    assert_rel(ours.features(ids, cu, [0, 1, 2, 3]), torch.cat(hs, -1), 1e-4, "all layers")
+    assert_rel(ours.logits(ids, cu), logits, 1e-4, "logits")
+
+
+def test_matches_hf_packed_documents(hf_pair):
+    m, ours = hf_pair
+    gen = torch.Generator().manual_seed(7)
+    lens = [45, 100, 30]
+    docs = [torch.randint(0, 300, (n,), generator=gen) for n in lens]
+    ids, cu = torch.cat(docs), cu_of(lens)
+    feats, logits = ours.features(ids, cu, [0, 1, 2, 3]), ours.logits(ids, cu)
+    for d, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        hs, ref_logits = hf_run(m, docs[d])
+        assert_rel(feats[s:e], torch.cat(hs, -1), 1e-4, f"doc {d} hidden states")
+        assert_rel(logits[s:e], ref_logits, 1e-4, f"doc {d} logits")
+
+
+def test_matches_hf_small_qk_norms(tmp_path):
+    # GDN q/k vectors of tiny norm: HF and FLA l2-normalise as x / sqrt(|x|^2 + 1e-6), which is not a unit
+    # vector there (F.normalize's x / max(|x|, eps) would be)
+    m = hf_model(0.25, seed=8)
+    with torch.no_grad():
+        m.model.layers[1].linear_attn.in_proj_qkv.weight[:64] *= 1e-4     # q and k rows (2 * 2 heads * 16)
+    ours = save_hf(m, str(tmp_path))
+    ids = torch.randint(0, 300, (80,), generator=torch.Generator().manual_seed(9))
+    hs, logits = hf_run(m, ids)
+    assert_rel(ours.features(ids, cu_of([80]), [1]), hs[1], 1e-4, "layer 1")
+    assert_rel(ours.logits(ids, cu_of([80])), logits, 1e-4, "logits")
+
+
+# -------------------------------------------------------------------------------------------------------------
+# the drafter (model.py, bottom half): mask, train/serve equivalence, loss, acceptance, export
+
+@contextlib.contextmanager
+def single_thread():
+    # tiny tensors: intra-op threads only add overhead, and OpenMP spin-waiting on 2 busy cores is very slow
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    with single_thread():   # module-scoped fixtures below set up before this one runs: they use it too
+        yield
+
+
+def rel_err(a, b):
+    a, b = a.float(), b.float()
+    assert a.shape == b.shape, f"shape {tuple(a.shape)} vs {tuple(b.shape)}"
+    return (a - b).abs().max().item() / max(b.abs().max().item(), 1e-6)
+
+
+def randomize_drafter_(d, seed):
+    """Unit-scale random weights (the 0.02 init makes every block nearly the same) and norm weights != 1, so a
+    norm that is skipped or applied to the wrong tensor shows."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in d.named_parameters():
+            r = torch.randn(p.shape, generator=g)
+            p.copy_(1.0 + 0.3 * r if p.dim() == 1 else r * p.shape[-1] ** -0.5)
+    return d
+
+
+_TINY = {}
+
+def tiny_target():
+    # built once per session (deterministic weights), read-only
+    if "t" not in _TINY:
+        _TINY["t"] = Target.build(TargetConfig.preset("tiny"))
+    return _TINY["t"]
+
+
+def doc_of(cu):
+    return torch.repeat_interleave(torch.arange(len(cu) - 1), cu.diff())
+
+
+# -----------------------------------------------------------------------------
+# 1. default target_layer_ids: the table of dflash.md 1.3
+
+@pytest.mark.parametrize("L,n,ids", [
+    (36, 5, [1, 9, 17, 25, 33]),
+    (64, 5, [1, 16, 31, 46, 61]),
+    (40, 5, [1, 10, 19, 28, 37]),
+    (40, 8, [1, 6, 11, 16, 22, 27, 32, 37]),
+    (32, 8, [1, 5, 9, 13, 17, 21, 25, 29]),
+    (48, 8, [1, 7, 14, 20, 26, 32, 39, 45]),
+    (64, 1, [32]), (36, 1, [18]), (8, 3, [1, 3, 5]),
+])
+def test_default_target_layer_ids(L, n, ids):
+    out = default_target_layer_ids(L, n)
+    assert out == ids and all(type(i) is int for i in out)
+
+
+def test_features_tap_layer_outputs():
+    """target.features(ids, cu, [i, ...]) is the OUTPUT of decoder layer i (HF hidden_states[i+1]), concatenated
+    in the order asked, per packed document (a tap of layer i-1's output, i.e. hidden_states[i], fails)."""
+    t = tiny_target()
+    c = t.config
+    cu = cu_of([9, 14, 7])
+    ids = torch.randint(0, c.vocab_size, (int(cu[-1]),), generator=torch.Generator().manual_seed(0))
+    rope = rope_cos_sin(positions_from_cu(cu), int(c.head_dim * c.partial_rotary_factor), c.rope_theta)
+    h, outs = t.embed_tokens(ids), []
+    with torch.no_grad():
+        for layer in t.layers:
+            h = layer(h, rope, cu, cu.tolist())
+            outs.append(h)
+    for taps in ([0, 3, 5], [5, 1], [1, 3, 5]):
+        f = t.features(ids, cu, taps)
+        assert f.shape == (len(ids), len(taps) * c.hidden_size)
+        assert rel_err(f, torch.cat([outs[i] for i in taps], -1)) < 1e-6, taps
+    # and the neighbours really differ (so the check above pins the index)
+    assert rel_err(outs[2], outs[3]) > 1e-2 and rel_err(t.embed_tokens(ids), outs[0]) > 1e-2
+
+
+# -----------------------------------------------------------------------------
+# 2. the anchor mask: mask_mod on broadcast indices == a brute-force evaluation of the spec (dflash.md 3.5)
+
+def brute_mask(anchors, keep, doc, S, B):
+    """Written from the spec with loops: KV = [context (S) | block_0 .. block_{N-1}], Q = the blocks. A query of
+    kept block j sees context kv with kv < anchor_j (strict) and doc[kv] == doc[anchor_j], and the B keys of its own
+    block; a padded block (keep False) sees nothing."""
+    N = len(anchors)
+    rows = []
+    for q in range(N * B):
+        j = q // B
+        a = anchors[j]
+        row = []
+        for kv in range(S + N * B):
+            if not keep[j]:
+                row.append(False)
+            elif kv < S:
+                row.append(kv < a and doc[kv] == doc[a])
+            else:
+                row.append(j * B <= kv - S < (j + 1) * B)
+        rows.append(row)
+    return torch.tensor(rows)
+
+
+def random_row(rng, S, n_docs):
+    cuts = sorted(rng.sample(range(1, S), n_docs - 1))
+    doc = [0] * S
+    for c in cuts:
+        for i in range(c, S):
+            doc[i] += 1
+    return doc, [0] + cuts
+
+
+@pytest.mark.parametrize("B,N", [(4, 10), (16, 5)])
+@pytest.mark.parametrize("seed", range(3))
+def test_anchor_mask_matches_brute_force(B, N, seed):
+    rng = random.Random(seed * 100 + B)
+    S = rng.randint(40, 80)
+    doc, starts = random_row(rng, S, rng.randint(2, 5))
+    kept = set(rng.sample(range(S), rng.randint(2, N - 3)))
+    kept.add(rng.choice(starts[1:]))                      # an anchor at a document start (empty context)
+    kept.add(S - 1 if seed == 0 else S - rng.randint(2, B))  # and one whose block runs past the row end
+    kept = sorted(kept)                                   # at most N - 1: at least one padded slot
+    anchors = kept + [0] * (N - len(kept))                 # padded slots: anchor 0, keep False, last
+    keep = [True] * len(kept) + [False] * (N - len(kept))
+    a_t, k_t, d_t = torch.tensor(anchors), torch.tensor(keep), torch.tensor(doc)
+    mm = anchor_mask_mod(a_t, k_t, d_t, S, B)
+    q_idx, kv_idx = torch.arange(N * B)[:, None], torch.arange(S + N * B)[None, :]
+    got = mm(0, 0, q_idx, kv_idx)
+    ref = brute_mask(anchors, keep, doc, S, B)
+    assert got.shape == ref.shape and got.dtype == torch.bool
+    assert torch.equal(got, ref), f"{(got != ref).sum().item()} cells differ"
+    # flex also evaluates padded tiles past Q_LEN / KV_LEN: no out-of-range indexing there
+    mm(0, 0, torch.arange(N * B + 2 * B)[:, None], torch.arange(S + N * B + 128)[None, :])
+
+
+# -----------------------------------------------------------------------------
+# 3. train/serve equivalence: the masked training forward == propose() with only the anchor's own past as context
+
+def ref_propose_logits(d, ctx_feats, ctx_pos, anchor_token, anchor_pos, embed, head):
+    """Independent fp32 reference of one drafting step (dflash.md 1.1/1.4): c = hidden_norm(fc(feats)) feeds k/v
+    of every layer unchanged; per layer pre-norm Qwen3 block, q/k RMSNorm per head, NeoX RoPE (keys at
+    [ctx_pos ; block_pos], queries at block_pos), GQA (head i reads kv head i // (nh/nkv)), no mask, SwiGLU;
+    final norm; logits of block slots 1..B-1."""
+    c = d.config
+    B, nh, nkv, hd = c.block_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    rms = lambda x, w: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps) * w
+
+    def rope(x, p):
+        inv = 1.0 / c.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+        ang = (p.double()[:, None] * inv[None]).float()[:, None, :]
+        x1, x2 = x[..., :hd // 2], x[..., hd // 2:]
+        return torch.cat([x1 * ang.cos() - x2 * ang.sin(), x2 * ang.cos() + x1 * ang.sin()], -1)
+
+    ctx = rms(ctx_feats @ d.fc.weight.T, d.hidden_norm.weight)
+    h = embed[torch.tensor([anchor_token] + [c.mask_token_id] * (B - 1))]
+    bpos = anchor_pos + torch.arange(B)
+    kpos = torch.cat([ctx_pos, bpos])
+    for L in d.layers:
+        a = L.self_attn
+        x = rms(h, L.input_layernorm.weight)
+        kvin = torch.cat([ctx, x])
+        q = rope(rms((x @ a.q_proj.weight.T).view(B, nh, hd), a.q_norm.weight), bpos)
+        k = rope(rms((kvin @ a.k_proj.weight.T).view(-1, nkv, hd), a.k_norm.weight), kpos)
+        v = (kvin @ a.v_proj.weight.T).view(-1, nkv, hd)
+        k, v = k.repeat_interleave(nh // nkv, 1), v.repeat_interleave(nh // nkv, 1)
+        p = (torch.einsum("qhd,khd->hqk", q, k) * hd ** -0.5).softmax(-1)
+        h = h + torch.einsum("hqk,khd->qhd", p, v).reshape(B, nh * hd) @ a.o_proj.weight.T
+        y = rms(h, L.post_attention_layernorm.weight)
+        h = h + (F.silu(y @ L.mlp.gate_proj.weight.T) * (y @ L.mlp.up_proj.weight.T)) @ L.mlp.down_proj.weight.T
+    return rms(h, d.norm.weight)[1:] @ head.T
+
+
+class Spy:
+    """Wraps _WeightedCE.apply to record the forward's own (h, head, labels, w, chunk)."""
+    def __init__(self, monkeypatch, replace=None):
+        self.calls, self.orig, self.replace = [], model._WeightedCE.apply, replace
+        monkeypatch.setattr(model._WeightedCE, "apply", self)
+
+    def __call__(self, h, head, labels, w, chunk):
+        self.calls.append((h.detach().clone(), labels.clone(), w.clone()))
+        if self.replace is not None:
+            return self.replace(h, head, labels, w, chunk)
+        return self.orig(h, head, labels, w, chunk)
+
+
+@pytest.fixture(scope="module")
+def setup3():
+    with single_thread():
+        yield make_setup3()
+
+
+def make_setup3():
+    t = tiny_target()
+    cfg = DrafterConfig.from_target(t.config, n_feat=3, num_hidden_layers=2)
+    assert cfg.target_layer_ids == [1, 3, 5] and cfg.block_size == 16
+    d = randomize_drafter_(Drafter(cfg), 1)
+    rows = []
+    g = torch.Generator().manual_seed(3)
+    for lens, full in (([14, 23, 19], True), ([30, 26], False), ([5, 40, 11], True)):
+        cu = cu_of(lens)
+        S = int(cu[-1])
+        tokens = torch.randint(0, t.config.vocab_size - 1, (S,), generator=g)
+        doc, pos = doc_of(cu), positions_from_cu(cu)
+        loss_mask = (torch.rand(S, generator=g) < (0.35 if full else 0.7)).long()
+        loss_mask[cu[:-1] + 1] = 1                        # every document start is a valid anchor
+        n_valid = int(((loss_mask[1:] > 0) & (doc[1:] == doc[:-1])).sum())
+        # full: n > #valid, so every valid anchor (document starts included) is kept and 3 slots are padding
+        n = n_valid + 3 if full else 6
+        torch.manual_seed(int(S))
+        anchors, keep = sample_anchors(loss_mask, doc, n)
+        feats = t.features(tokens, cu, cfg.target_layer_ids).clone()
+        rows.append(dict(cu=cu, S=S, tokens=tokens, doc=doc, pos=pos, loss_mask=loss_mask, anchors=anchors,
+                         keep=keep, feats=feats, full=full))
+    return t, d, rows
+
+
+def train_h(monkeypatch, d, t, r, feats=None):
+    spy = Spy(monkeypatch)
+    d(r["feats"] if feats is None else feats, r["tokens"], r["loss_mask"], r["doc"], r["pos"], r["anchors"],
+      r["keep"], t.embed_tokens.weight, t.lm_head.weight)
+    monkeypatch.undo()
+    (h, _, _), = spy.calls
+    return h.view(len(r["anchors"]), d.config.block_size, -1)
+
+
+def test_train_serve_equivalence(setup3, monkeypatch):
+    t, d, rows = setup3
+    embed, head = t.embed_tokens.weight, t.lm_head.weight
+    n_start = 0
+    for r in rows:
+        h = train_h(monkeypatch, d, t, r)
+        starts = r["cu"][:-1].tolist()
+        assert r["keep"].any() and (not r["full"] or (~r["keep"]).sum() == 3)
+        for j in range(len(r["anchors"])):
+            if not r["keep"][j]:
+                continue
+            a = int(r["anchors"][j])
+            s = max(x for x in starts if x <= a)             # the anchor's document start
+            n_start += a == s
+            train_logits = (h[j, 1:] @ head.T).float()
+            tok, logits = d.propose(r["feats"][s:a], r["pos"][s:a], int(r["tokens"][a]), int(r["pos"][a]), embed, head)
+            assert logits.shape == (d.config.block_size - 1, t.config.vocab_size)
+            assert torch.equal(tok, logits.argmax(-1))
+            assert rel_err(train_logits, logits) < 1e-4, (a, s)
+    assert n_start >= 5   # anchors at document starts (empty context) were among those compared
+
+
+def test_propose_matches_reference(setup3):
+    t, d, rows = setup3
+    embed, head = t.embed_tokens.weight, t.lm_head.weight
+    r = rows[0]
+    for a in (0, 14, 20, 40, 50):   # document starts (empty context) and mid-document anchors
+        s = max(x for x in r["cu"][:-1].tolist() if x <= a)
+        args = (r["feats"][s:a], r["pos"][s:a], int(r["tokens"][a]), int(r["pos"][a]), embed, head)
+        _, logits = d.propose(*args)
+        assert rel_err(logits, ref_propose_logits(d, *args)) < 1e-4, a
+
+
+def test_training_context_is_strictly_before_anchor(setup3, monkeypatch):
+    t, d, rows = setup3
+    r = rows[0]
+    starts = r["cu"][:-1].tolist()
+    h = train_h(monkeypatch, d, t, r)
+    g = torch.Generator().manual_seed(5)
+    checked = 0
+    for j in range(len(r["anchors"])):
+        a = int(r["anchors"][j])
+        s = max(x for x in starts if x <= a)
+        if not r["keep"][j] or a == s or s == 0:
+            continue                                      # need a-1 in the same document and an earlier document
+        ref = h[j]
+        # features at and after the anchor, and of earlier documents: invisible to block j
+        f = r["feats"].clone()
+        f[a:] += torch.randn(f[a:].shape, generator=g)
+        f[:s] += torch.randn(f[:s].shape, generator=g)
+        assert rel_err(train_h(monkeypatch, d, t, r, f)[j], ref) < 1e-6, a
+        # the feature right before the anchor (same document): visible
+        f = r["feats"].clone()
+        f[a - 1] += torch.randn(f[a - 1].shape, generator=g)
+        assert rel_err(train_h(monkeypatch, d, t, r, f)[j], ref) > 1e-3, a
+        checked += 1
+        if checked == 3:
+            break
+    assert checked == 3
+
+
+# -----------------------------------------------------------------------------
+# 4. loss weights, labels and the acceptance proxy on a hand-worked row (block size 5, gamma 2)
+
+#                  0  1  2  3  4  5  6  7  8  9 10 11 12 13
+HAND_DOC = [0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1]
+HAND_LM = [0, 1, 1, 0, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1]
+HAND_ANCHORS = [0, 1, 4, 6, 9, 12, 0]
+HAND_KEEP = [True] * 6 + [False]
+# supervised slots, worked out by hand: slot k of anchor a is supervised iff keep, k >= 1, a+k < S, loss_mask[a+k]
+# and doc[a+k] == doc[a]
+HAND_SUP = [[0, 1, 1, 0, 1],    # a=0: pos 3 has loss_mask 0
+            [0, 1, 0, 1, 1],    # a=1: pos 3 again
+            [0, 1, 1, 1, 0],    # a=4: pos 8 is in the next document
+            [0, 1, 0, 0, 0],    # a=6: pos 8, 9, 10 are in the next document
+            [0, 1, 1, 1, 1],    # a=9: all of 10..13
+            [0, 1, 0, 0, 0],    # a=12: pos 14.. are past the row end
+            [0, 0, 0, 0, 0]]    # padded slot
+GAMMA, HB = 2.0, 5
+
+
+@pytest.fixture(scope="module")
+def hand():
+    with single_thread():
+        yield make_hand()
+
+
+def make_hand():
+    t = tiny_target()
+    cfg = DrafterConfig.from_target(t.config, n_feat=3, num_hidden_layers=1, block_size=HB)
+    d = randomize_drafter_(Drafter(cfg), 2)
+    S = len(HAND_DOC)
+    tokens = torch.randint(0, 500, (S,), generator=torch.Generator().manual_seed(4))
+    doc = torch.tensor(HAND_DOC)
+    cu = torch.tensor([0, 8, 14])
+    assert torch.equal(doc_of(cu), doc)
+    r = dict(tokens=tokens, doc=doc, pos=positions_from_cu(cu), loss_mask=torch.tensor(HAND_LM),
+             anchors=torch.tensor(HAND_ANCHORS), keep=torch.tensor(HAND_KEEP),
+             feats=t.features(tokens, cu, cfg.target_layer_ids).clone())
+    return t, d, r
+
+
+def run(d, t, r, gamma=GAMMA, **kw):
+    return d(r["feats"], r["tokens"], r["loss_mask"], r["doc"], r["pos"], r["anchors"], r["keep"],
+             t.embed_tokens.weight, t.lm_head.weight, gamma=gamma, **kw)
+
+
+def test_loss_weights_and_labels_by_hand(hand, monkeypatch):
+    t, d, r = hand
+    spy = Spy(monkeypatch)
+    out = run(d, t, r, ce_chunk=7)
+    (h, labels, w), = spy.calls
+    N, S = len(HAND_ANCHORS), len(HAND_DOC)
+    exp_w = torch.zeros(N, HB)
+    exp_lab = torch.full((N, HB), -1)
+    for j, a in enumerate(HAND_ANCHORS):
+        for k in range(HB):
+            if HAND_SUP[j][k]:
+                exp_w[j, k] = math.exp(-(k - 1) / GAMMA)     # w_1 = 1, w_2 = e^-1/2, ...
+                exp_lab[j, k] = r["tokens"][a + k]           # slot k predicts the token AT a+k (no shift)
+    assert torch.allclose(w.view(N, HB), exp_w, rtol=1e-6, atol=0), w.view(N, HB)
+    sup = exp_w > 0
+    assert torch.equal(labels.view(N, HB)[sup], exp_lab[sup])
+    # reference loss from plain full logits
+    ce = F.cross_entropy(h @ t.lm_head.weight.T, labels, reduction="none").view(N, HB)
+    ce_ref = F.cross_entropy(h.view(N, HB, -1)[sup] @ t.lm_head.weight.T, exp_lab[sup], reduction="none")
+    ref = (exp_w[sup] * ce_ref).sum() / exp_w.sum()
+    assert abs(out["loss"].item() - ref.item()) <= 1e-5 * ref.item()
+    assert abs(out["loss"].item() - ((exp_w * ce).sum() / exp_w.sum()).item()) <= 1e-5 * ref.item()
+    # per-slot counts: slot 0 never supervised
+    assert out["slot_count"].tolist() == torch.tensor(HAND_SUP).sum(0).tolist() == [0, 6, 3, 3, 3]
+    assert out["blocks"].item() == 6
+    # gamma matters (the decay is applied) and the loss is differentiable wrt the drafter
+    assert abs(run(d, t, r, gamma=7.0)["loss"].item() - out["loss"].item()) > 1e-4
+    d.zero_grad()
+    out["loss"].backward()
+    assert all(torch.isfinite(p.grad).all() for p in d.parameters()) and d.fc.weight.grad.abs().sum() > 0
+
+
+def test_acceptance_proxy_by_hand(hand, monkeypatch):
+    t, d, r = hand
+    # pred == label at slots 1..4 ("raw", before the supervision mask), per block
+    raw = [[1, 1, 1, 1],    # & sup -> 1 1 0 1: accept 1 + 2
+           [1, 1, 1, 1],    # & sup -> 1 0 1 1: accept 1 + 1
+           [1, 0, 1, 0],    # accept 1 + 1
+           [0, 1, 1, 1],    # accept 1 + 0
+           [1, 1, 1, 1],    # accept 1 + 4
+           [1, 1, 1, 1],    # & sup -> 1 0 0 0: accept 1 + 1
+           [1, 1, 1, 1]]    # padded: not counted
+    N, V = len(HAND_ANCHORS), t.config.vocab_size
+
+    def fake(h, head, labels, w, chunk):
+        ok = torch.tensor([[1] + row for row in raw]).view(-1).bool()
+        pred = torch.where(ok, labels, (labels + 1) % V)
+        return (h.sum() * 0.0).float(), pred
+
+    Spy(monkeypatch, replace=fake)
+    out = run(d, t, r)
+    assert out["accept_sum"].item() == 3 + 2 + 2 + 1 + 5 + 2
+    assert out["blocks"].item() == 6
+    assert out["accept_sum"].item() / out["blocks"].item() == pytest.approx(15 / 6)
+    sup = torch.tensor(HAND_SUP)[:, 1:].bool()
+    corr = torch.tensor(raw).bool() & sup
+    assert out["slot_correct"].tolist() == [0] + corr.sum(0).tolist() == [0, 5, 2, 3, 3]
+    assert out["slot_count"].tolist() == [0, 6, 3, 3, 3]
+
+
+@pytest.mark.parametrize("case", ["no_anchors", "zero_weights"])
+def test_fully_masked_row(hand, case):
+    t, d, r = hand
+    r = dict(r)
+    S = len(HAND_DOC)
+    if case == "no_anchors":          # nothing supervised: sample_anchors keeps no slot
+        r["loss_mask"] = torch.zeros(S, dtype=torch.long)
+        r["anchors"], r["keep"] = sample_anchors(r["loss_mask"], r["doc"], 4)
+        assert not r["keep"].any() and (r["anchors"] == 0).all()
+    else:                             # kept anchors, but every slot falls past the row end / unsupervised
+        r["loss_mask"] = torch.tensor([1] * 12 + [0, 0])
+        r["anchors"], r["keep"] = torch.tensor([11, 13]), torch.tensor([True, True])
+    d.zero_grad()
+    out = run(d, t, r)
+    assert out["loss"].item() == 0.0 and out["slot_count"].sum().item() == 0
+    assert out["accept_sum"].item() == (0 if case == "no_anchors" else 2) and out["blocks"].item() == r["keep"].sum()
+    out["loss"].backward()
+    for n, p in d.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all() and (p.grad == 0).all(), n
+
+
+# -----------------------------------------------------------------------------
+# 5. the chunked weighted CE == plain autograd over full logits
+
+@pytest.mark.parametrize("chunk", [1, 5, 8, 37, 1024])
+def test_weighted_ce_matches_autograd(chunk):
+    g = torch.Generator().manual_seed(chunk)
+    Q, H, V = 37, 16, 50
+    h0 = torch.randn(Q, H, generator=g) * 2
+    W = torch.randn(V, H, generator=g)
+    y = torch.randint(0, V, (Q,), generator=g)
+    w = torch.rand(Q, generator=g)
+    w[torch.rand(Q, generator=g) < 0.3] = 0.0             # zero-weight rows
+    w[:3] = 0.0
+    h = h0.clone().requires_grad_()
+    loss, pred = model._WeightedCE.apply(h, W, y, w, chunk)
+    (3.0 * loss).backward()                               # the upstream gradient is honoured
+    hr = h0.clone().requires_grad_()
+    logits = hr @ W.T
+    ref = (w * F.cross_entropy(logits, y, reduction="none")).sum()
+    (3.0 * ref).backward()
+    assert loss.shape == () and abs(loss.item() - ref.item()) <= 1e-5 * ref.item()
+    assert rel_err(h.grad, hr.grad) < 1e-5
+    assert (h.grad[w == 0] == 0).all()
+    assert torch.equal(pred, logits.argmax(-1)) and not pred.requires_grad
+
+
+# -----------------------------------------------------------------------------
+# 6. anchor sampling
+
+def check_anchors(loss_mask, doc, n, anchors, keep):
+    S = loss_mask.shape[0]
+    valid = [a for a in range(S - 1) if loss_mask[a + 1] and doc[a + 1] == doc[a]]
+    assert anchors.shape == keep.shape == (n,) and anchors.dtype == torch.long and keep.dtype == torch.bool
+    m = int(keep.sum())
+    assert m == min(n, len(valid))
+    assert keep[:m].all() and not keep[m:].any()           # padded slots come last
+    assert (anchors[m:] == 0).all()
+    kept = anchors[:m].tolist()
+    assert kept == sorted(set(kept))                       # sorted, unique
+    for a in kept:
+        assert a + 1 < S and loss_mask[a + 1] == 1 and doc[a + 1] == doc[a]
+    return kept, valid
+
+
+def test_sample_anchors_invariants():
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    for it in range(40):
+        S = int(torch.randint(30, 81, (), generator=g))
+        cuts = torch.randperm(S - 1, generator=g)[: int(torch.randint(0, 5, (), generator=g))] + 1
+        doc = torch.zeros(S, dtype=torch.long)
+        for c in cuts.tolist():
+            doc[c:] += 1
+        loss_mask = (torch.rand(S, generator=g) < [0.5, 0.1, 0.9, 0.0][it % 4]).long()
+        for n in (1, 8, S - 1):
+            anchors, keep = sample_anchors(loss_mask, doc, n)
+            kept, valid = check_anchors(loss_mask, doc, n, anchors, keep)
+            if n >= len(valid):
+                assert kept == valid                      # fewer valid than n: all of them, exactly
+
+
+def test_sample_anchors_uniform():
+    #            0  1  2  3  4  5  6  7  8  9 10 11 12 13 14 15 16 17 18 19
+    loss_mask = torch.tensor([0, 1, 1, 0, 1, 1, 1, 0, 0, 1, 1, 1, 0, 1, 0, 0, 1, 1, 0, 1])
+    doc = torch.tensor([0] * 9 + [1] * 7 + [2] * 4)         # pos 8 -> 9 and 15 -> 16 cross a document boundary
+    valid = [0, 1, 3, 4, 5, 9, 10, 12, 16, 18]
+    n, draws = 3, 2000
+    torch.manual_seed(1)
+    counts = torch.zeros(20)
+    for _ in range(draws):
+        anchors, keep = sample_anchors(loss_mask, doc, n)
+        assert keep.all()
+        counts[anchors] += 1
+    assert torch.nonzero(counts).view(-1).tolist() == valid
+    expected = draws * n / len(valid)                        # 600; binomial sd ~ 20
+    assert ((counts[valid] - expected).abs() < 0.15 * expected).all(), counts[valid]
+
+
+# -----------------------------------------------------------------------------
+# 7. save/load in the z-lab format (dflash.md 2.2, 2.3)
+
+def test_save_load_roundtrip_and_format(tmp_path, setup3):
+    t = tiny_target()
+    tc = t.config
+    cfg = DrafterConfig.from_target(tc, n_feat=3, num_hidden_layers=2, block_size=8, mask_token_id=500,
+                                    rope_theta=12345.0, rms_norm_eps=1e-5)
+    d = randomize_drafter_(Drafter(cfg), 7)
+    d.save_pretrained(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+    loaded = Drafter.from_pretrained(str(tmp_path))
+    assert loaded.config == cfg
+    ref = copy.deepcopy(d)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    assert any(not torch.equal(p, q) for p, q in zip(d.parameters(), ref.parameters()))   # bf16 really rounds
+    for name, p in loaded.named_parameters():
+        assert p.dtype == torch.float32 and torch.equal(p, ref.get_parameter(name)), name
+    # identical logits: the serving step and the training loss
+    _, _, rows = setup3
+    r = rows[0]
+    embed, head = t.embed_tokens.weight, t.lm_head.weight
+    args = (r["feats"][14:20], r["pos"][14:20], int(r["tokens"][20]), int(r["pos"][20]), embed, head)
+    assert torch.equal(loaded.propose(*args)[1], ref.propose(*args)[1])
+    fwd = lambda m: m(r["feats"], r["tokens"], r["loss_mask"], r["doc"], r["pos"], r["anchors"], r["keep"], embed, head)
+    assert torch.equal(fwd(loaded)["loss"], fwd(ref)["loss"])
+
+    with open(tmp_path / "config.json") as f:
+        j = json.load(f)
+    L, H = cfg.num_hidden_layers, tc.hidden_size
+    assert j["architectures"] == ["DFlashDraftModel"] and j["model_type"] == "qwen3"
+    assert j["block_size"] == 8 and j["dflash_config"]["block_size"] == 8
+    assert j["dflash_config"]["mask_token_id"] == 500
+    assert j["dflash_config"]["target_layer_ids"] == [1, 3, 5]
+    assert j["num_target_layers"] == tc.num_hidden_layers == 8
+    assert j["layer_types"] == ["full_attention"] * L
+    assert j["rope_theta"] == 12345.0 and j["max_position_embeddings"] == tc.max_position_embeddings
+    assert j["vocab_size"] == tc.vocab_size and j["tie_word_embeddings"] == tc.tie_word_embeddings
+    assert (j["hidden_size"], j["intermediate_size"], j["num_hidden_layers"]) == (H, tc.intermediate_size, L)
+    assert (j["num_attention_heads"], j["num_key_value_heads"], j["head_dim"]) == (4, 2, 16)
+    assert j["hidden_act"] == "silu" and j["rms_norm_eps"] == 1e-5
+    for bad in ("eagle_aux_hidden_state_layer_ids", "auto_map", "is_causal"):
+        assert bad not in j
+    assert "causal" not in j["dflash_config"]
+
+    nh, nkv, hd, I = 4, 2, 16, tc.intermediate_size
+    shapes = {"fc.weight": (H, 3 * H), "hidden_norm.weight": (H,), "norm.weight": (H,)}
+    for i in range(L):
+        p = f"layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
+                       p + "self_attn.q_proj.weight": (nh * hd, H), p + "self_attn.k_proj.weight": (nkv * hd, H),
+                       p + "self_attn.v_proj.weight": (nkv * hd, H), p + "self_attn.o_proj.weight": (H, nh * hd),
+                       p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
+                       p + "mlp.gate_proj.weight": (I, H), p + "mlp.up_proj.weight": (I, H),
+                       p + "mlp.down_proj.weight": (H, I)})
+    assert len(shapes) == 3 + 11 * L
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        assert keys == set(shapes), keys ^ set(shapes)
+        for k in keys:
+            x = f.get_tensor(k)
+            assert x.dtype == torch.bfloat16 and tuple(x.shape) == shapes[k], k
+
+
+# -----------------------------------------------------------------------------
+# 8. the published Qwen3.6-27B drafter geometry (dflash.md 1.2, 5)
+
+def test_qwen36_27b_drafter_geometry():
+    c = DrafterConfig.from_target(TargetConfig.preset("qwen3.6-27b"))
+    assert (c.hidden_size, c.intermediate_size) == (5120, 17408)
+    assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (32, 8, 128)
+    assert c.target_layer_ids == [1, 16, 31, 46, 61] and c.num_target_layers == 64
+    assert c.num_hidden_layers == 5 and c.block_size == 16
+    assert (c.mask_token_id, c.vocab_size) == (248070, 248320)
+    assert c.rope_theta == 1e7 and c.max_position_embeddings == 262144
+    with torch.device("meta"):
+        d = Drafter(c)
+    n = sum(p.numel() for p in d.parameters())
+    layer = 2 * 4096 * 5120 + 2 * 1024 * 5120 + 3 * 5120 * 17408 + 2 * 128 + 2 * 5120
+    assert n == 5 * 5120 * 5120 + 2 * 5120 + 5 * layer == 1_730_213_120   # ~1.73B
+    assert sorted(d.state_dict()) == sorted(k for k, _ in d.named_parameters())   # no buffers to save
+
+
+# -------------------------------------------------------------------------------------------------------------
+# data.py: format, prepare, packer, bad input, flat memory
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def cli(*args, cwd=None):
+    return subprocess.run([sys.executable, os.path.join(HERE, "data.py"), *map(str, args)],
+                          capture_output=True, text=True, cwd=cwd)
+
+
+def write_jsonl(path, objs):
+    with open(path, "w") as f:
+        for o in objs:
+            f.write((o if isinstance(o, str) else json.dumps(o)) + "\n")
+
+
+def random_samples(n, lo, hi, seed=0, vocab=1000):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        L = int(rng.integers(lo, hi + 1))
+        out.append((rng.integers(0, vocab, L), (rng.random(L) < 0.7).astype(np.uint8)))
+    return out
+
+
+# -----------------------------------------------------------------------------
+# round trips
+
+def test_prepare_pretokenized_roundtrip(tmp_path):
+    rng = np.random.default_rng(1)
+    objs = []
+    for i in range(50):
+        L = int(rng.integers(1, 30))
+        o = {"input_ids": rng.integers(0, 70000, L).tolist()}  # ids above 65535 must survive (uint32)
+        if i % 3:
+            o["loss_mask"] = [1] + rng.integers(0, 2, L - 1).tolist()
+        objs.append(o)
+    write_jsonl(tmp_path / "in.jsonl", objs)
+    r = cli("prepare", "--input", tmp_path / "in.jsonl", "--out", tmp_path / "d", "--val", 5)
+    assert r.returncode == 0, r.stderr + r.stdout
+    tr, va = open_dataset(tmp_path / "d"), open_dataset(tmp_path / "d" / "val")
+    assert tr.path == os.path.join(tmp_path / "d", "train")  # the parent resolves to train/
+    assert len(tr) == 45 and len(va) == 5
+    # val lines are spread evenly (line i where floor(i*5/50) steps up) and both splits keep file order
+    val_lines = [i for i in range(50) if (i + 1) * 5 // 50 > i * 5 // 50]
+    assert val_lines == [9, 19, 29, 39, 49]
+    got = [tr.sample(k) for k in range(len(tr))]
+    got_val = [va.sample(k) for k in range(len(va))]
+    want = [o for i, o in enumerate(objs) if i not in val_lines]
+    for (ids, mask), o in zip(got + got_val, want + [objs[i] for i in val_lines]):
+        assert ids.dtype == np.uint32 and mask.dtype == np.uint8
+        assert ids.tolist() == o["input_ids"]
+        assert mask.tolist() == o.get("loss_mask", [1] * len(o["input_ids"]))
+    all_ids = np.concatenate([o["input_ids"] for o in objs])
+    assert tr.meta["n_tokens"] + va.meta["n_tokens"] == len(all_ids)
+    assert tr.meta["n_supervised"] == int(sum(m.sum() for _, m in got))
+    assert tr.vocab_size == int(max(i.max() for i, _ in got)) + 1
+    assert tr.lengths.dtype == np.int64 and tr.lengths.tolist() == [len(o["input_ids"]) for o in want]
+    # a declared vocab size is recorded as the bound
+    r = cli("prepare", "--input", tmp_path / "in.jsonl", "--out", tmp_path / "d2", "--vocab-size", 80000)
+    assert r.returncode == 0 and open_dataset(tmp_path / "d2").vocab_size == 80000
+    assert not os.path.exists(tmp_path / "d2" / "val")
+
+
+def make_tokenizer(path, special=True):
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    words = ["<unk>", "system", "user", "assistant", "you", "are", "helpful", "hi", "hello", "there",
+             "what", "is", "two", "plus", "four", "it", "thanks", "bye"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_tokens([AddedToken("\n", normalized=False)])  # so the newlines become tokens we can check
+    if special:
+        tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    tok.save(str(path))
+    return tok
+
+
+def test_prepare_chat_roundtrip(tmp_path):
+    tok = make_tokenizer(tmp_path / "tokenizer.json")
+    convs = [
+        [{"role": "system", "content": "you are helpful"}, {"role": "user", "content": "hi"},
+         {"role": "assistant", "content": "hello there"}, {"role": "user", "content": "what is two plus two"},
+         {"role": "assistant", "content": "it is four"}],
+        [{"role": "user", "content": "thanks"}, {"role": "assistant", "content": "bye"}],
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}],  # only <|im_end|> supervised
+    ]
+    write_jsonl(tmp_path / "chat.jsonl", [{"messages": c} for c in convs])
+    r = cli("prepare", "--input", tmp_path / "chat.jsonl", "--out", tmp_path / "d", "--tokenizer", tmp_path / "tokenizer.json")
+    assert r.returncode == 0, r.stderr + r.stdout
+    ds = open_dataset(tmp_path / "d")
+    assert len(ds) == 3 and ds.vocab_size == tok.get_vocab_size(with_added_tokens=True)
+    S, E, NL = tok.token_to_id("<|im_start|>"), tok.token_to_id("<|im_end|>"), tok.token_to_id("\n")
+    A = tok.token_to_id("assistant")
+    for k, conv in enumerate(convs):
+        ids, mask = (a.tolist() for a in ds.sample(k))
+        # ids: the whole rendered conversation tokenized in one go (the tokenizer's own view)
+        text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in conv)
+        assert ids == tok.encode(text, add_special_tokens=False).ids
+        # mask, recomputed by walking the ids: inside an assistant turn, from after "assistant\n"
+        # through <|im_end|> inclusive; the header and the trailing "\n" are not supervised
+        want, state = [], None
+        for j, t in enumerate(ids):
+            if t == S:
+                state = "header"
+            if state == "body":
+                want.append(1 if role == A else 0)
+                state = "tail" if t == E else "body"
+            else:
+                want.append(0)
+                if state == "header" and t == NL:
+                    state, role = "body", ids[j - 1]
+        assert mask == want
+        answers = [m["content"] for m in conv if m["role"] == "assistant"]
+        assert sum(mask) == sum(len(a.split()) + 1 for a in answers)
+        assert ids[-1] == NL and mask[-1] == 0
+
+
+def test_chat_needs_tokenizer_with_special_tokens(tmp_path):
+    write_jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "assistant", "content": "hi"}]}])
+    r = cli("prepare", "--input", tmp_path / "chat.jsonl", "--out", tmp_path / "d")
+    assert r.returncode == 1 and "chat.jsonl:1" in r.stderr and "--tokenizer" in r.stderr
+    make_tokenizer(tmp_path / "plain.json", special=False)
+    r = cli("prepare", "--input", tmp_path / "chat.jsonl", "--out", tmp_path / "d", "--tokenizer", tmp_path / "plain.json")
+    assert r.returncode == 1 and "plain.json" in r.stderr and "<|im_start|>" in r.stderr
+    assert not os.path.exists(tmp_path / "d" / "train")
+
+
+# -----------------------------------------------------------------------------
+# packer
+
+def ref_next_fit(lengths, order, budget):
+    rows, cur, used = [], [], 0
+    for i in order:
+        l = min(lengths[i], budget)
+        if used + l > budget:
+            rows.append(cur)
+            cur, used = [], 0
+        cur.append(i)
+        used += l
+    return rows + [cur]
+
+
+def check_row(row, ds, budget):
+    assert all(len(a) == budget for a in (row.tokens, row.loss_mask, row.doc, row.pos))
+    assert row.tokens.dtype == np.int64 and row.loss_mask.dtype == np.uint8
+    assert row.doc.dtype == np.int32 and row.pos.dtype == np.int64 and row.cu_seqlens.dtype == np.int64
+    p = 0
+    for d, i in enumerate(row.samples):
+        ids, mask = ds.sample(i)
+        l = min(len(ids), budget)
+        assert row.cu_seqlens[d] == p
+        assert (row.tokens[p:p + l] == ids[:l]).all() and (row.loss_mask[p:p + l] == mask[:l]).all()
+        assert (row.doc[p:p + l] == d).all() and (row.pos[p:p + l] == np.arange(l)).all()
+        p += l
+    n = len(row.samples)
+    if p < budget:  # padding tail: its own document, id 0, never supervised
+        assert row.cu_seqlens.tolist()[n:] == [p, budget]
+        assert (row.doc[p:] == n).all() and (row.pos[p:] == np.arange(budget - p)).all()
+        assert (row.tokens[p:] == 0).all() and (row.loss_mask[p:] == 0).all()
+    else:
+        assert row.cu_seqlens.tolist()[n:] == [budget]
+
+
+@pytest.fixture
+def ds(tmp_path):
+    write_dataset(tmp_path / "ds", random_samples(157, 1, 40, seed=3))
+    return open_dataset(tmp_path / "ds")
+
+
+@pytest.mark.parametrize("n_shards", [1, 2, 3])
+def test_packer_epoch_invariants(ds, n_shards):
+    budget = 64
+    packers = [Packer(ds, budget, n_shards, s, seed=7) for s in range(n_shards)]
+    steps = {p.steps_per_epoch for p in packers}
+    assert len(steps) == 1  # every shard does the same number of steps
+    rows = [[p.next_row() for _ in range(p.steps_per_epoch)] for p in packers]
+    order = np.random.default_rng((7, 0)).permutation(len(ds))
+    ref = ref_next_fit(ds.lengths.tolist(), order.tolist(), budget)
+    assert packers[0].steps_per_epoch == -(-len(ref) // n_shards)
+    seen = []
+    for s in range(n_shards):
+        for k, row in enumerate(rows[s]):
+            check_row(row, ds, budget)
+            assert row.epoch == 0 and row.index == s + k * n_shards
+            want = ref[row.index] if row.index < len(ref) else []  # filler row for a short shard
+            assert row.samples.tolist() == want
+            seen += want
+    assert sorted(seen) == list(range(len(ds)))  # each sample exactly once per epoch, across shards
+    nxt = packers[0].next_row()  # rolls over into epoch 1, with a new order
+    assert nxt.epoch == 1 and packers[0].epoch == 1 and nxt.index == 0
+    assert nxt.samples.tolist() == ref_next_fit(ds.lengths.tolist(), np.random.default_rng((7, 1)).permutation(len(ds)).tolist(), budget)[0]
+
+
+def test_packer_filler_row(tmp_path):
+    # 5 samples of 10 tokens, budget 20: 3 rows (2+2+1); with 2 shards shard 1 gets row 1 and a filler
+    write_dataset(tmp_path / "d", [(np.arange(1, 11), np.ones(10)) for _ in range(5)])
+    d = open_dataset(tmp_path / "d")
+    p = Packer(d, 20, n_shards=2, shard=1, shuffle=False)
+    assert p.steps_per_epoch == 2
+    r1, r2 = p.next_row(), p.next_row()
+    assert r1.samples.tolist() == [2, 3] and r1.index == 1
+    assert r2.samples.tolist() == [] and r2.index == 3 and r2.cu_seqlens.tolist() == [0, 20]
+    assert (r2.loss_mask == 0).all() and (r2.doc == 0).all() and (r2.pos == np.arange(20)).all()
+    p0 = Packer(d, 20, n_shards=2, shard=0, shuffle=False)
+    assert [p0.next_row().samples.tolist() for _ in range(2)] == [[0, 1], [4]]
+
+
+def test_packer_seed_and_shuffle(ds):
+    rows = lambda p, n: [p.next_row().samples.tolist() for _ in range(n)]
+    a, b, c = rows(Packer(ds, 64, seed=1), 20), rows(Packer(ds, 64, seed=1), 20), rows(Packer(ds, 64, seed=2), 20)
+    assert a == b and a != c
+    p = Packer(ds, 64, shuffle=False)
+    flat = sum(rows(p, p.steps_per_epoch), [])
+    assert flat == list(range(len(ds)))  # eval mode: same packing, file order, every sample once
+
+
+def test_packer_resume(ds):
+    for n_shards, shard in [(1, 0), (3, 2)]:
+        ref = Packer(ds, 64, n_shards, shard, seed=5)
+        spe = ref.steps_per_epoch
+        stream = [ref.next_row() for _ in range(3 * spe + 2)]
+        for k in [0, 1, spe - 1, spe, spe + 1, 2 * spe + 3]:  # incl. right at and across epoch boundaries
+            p = Packer(ds, 64, n_shards, shard, seed=5)
+            for _ in range(k):
+                p.next_row()
+            state = json.loads(json.dumps(p.state_dict()))  # as it would go through a checkpoint
+            q = Packer(ds, 64, n_shards, shard, seed=999)  # the saved seed must win
+            q.load_state_dict(state)
+            for j in range(k, min(k + spe + 1, len(stream))):
+                r, want = q.next_row(), stream[j]
+                assert (r.epoch, r.index) == (want.epoch, want.index)
+                for a, b in zip(r[:6], want[:6]):
+                    assert np.array_equal(a, b)
+    with pytest.raises(DataError, match="steps"):
+        Packer(ds, 64).load_state_dict({"epoch": 0, "step": 10**6, "seed": 0})
+
+
+def test_packer_truncation(tmp_path):
+    lens = [100, 10, 64, 65, 3]
+    write_dataset(tmp_path / "d", [(np.arange(L) + 1, np.ones(L, np.uint8)) for L in lens])
+    d = open_dataset(tmp_path / "d")
+    p = Packer(d, 64, shuffle=False)
+    assert p.truncated == 2 and p.truncated_tokens == 36 + 1
+    rows = [p.next_row() for _ in range(p.steps_per_epoch)]
+    assert [r.samples.tolist() for r in rows] == [[0], [1], [2], [3], [4]]
+    for r in rows:
+        check_row(r, d, 64)
+    assert rows[0].tokens.tolist() == list(range(1, 65))
+
+
+# -----------------------------------------------------------------------------
+# bad input, bad files, atomic writes
+
+def good(i):
+    return {"input_ids": [1, 2, 3, i % 50 + 1], "loss_mask": [0, 1, 1, 1]}
+
+
+def test_bad_lines_reported(tmp_path):
+    lines = [good(i) for i in range(200)]
+    bad = {3: "{not json", 10: {"text": "hello"}, 20: {"input_ids": [1, -4, 2]},
+           30: {"input_ids": [1, 500, 2]}, 40: {"input_ids": [1, 2], "loss_mask": [1]},
+           50: {"input_ids": [1, 2], "loss_mask": [0, 0]}, 60: {"input_ids": []}, 70: [1, 2, 3]}
+    for i, b in bad.items():
+        lines[i - 1] = b
+    lines.insert(99, "   ")  # a blank line is ignored, not counted as bad; later line numbers shift by one
+    write_jsonl(tmp_path / "in.jsonl", lines)
+    r = cli("prepare", "--input", tmp_path / "in.jsonl", "--out", tmp_path / "d", "--vocab-size", 100, "--max-bad", 0.05)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
+    for line, kind in [(3, "malformed JSON"), (10, "neither input_ids nor messages"), (20, "token id out of range"),
+                       (30, "token id out of range"), (40, "loss_mask length mismatch"), (50, "no supervised token"),
+                       (60, "bad input_ids"), (70, "neither input_ids nor messages")]:
+        assert f"in.jsonl:{line}: {kind}" in out, kind
+    assert "id -4" in out and "id 500 not in [0, 100)" in out
+    assert "skipped 8 of 200 lines" in out and "2 token id out of range" in out and "ignored 1 blank lines" in out
+    assert len(open_dataset(tmp_path / "d")) == 192
+    # the same file with the default --max-bad (1%) fails loudly and writes nothing
+    r = cli("prepare", "--input", tmp_path / "in.jsonl", "--out", tmp_path / "e", "--vocab-size", 100)
+    assert r.returncode == 1 and "8 of 200 lines (4.0%) are bad" in r.stderr and "--max-bad" in r.stderr
+    assert not os.path.exists(tmp_path / "e" / "train") and os.listdir(tmp_path / "e") == []
+
+
+def test_bad_lines_first_ten_then_counts(tmp_path):
+    write_jsonl(tmp_path / "in.jsonl", ["{broken"] * 15 + [good(i) for i in range(5)])
+    r = cli("prepare", "--input", tmp_path / "in.jsonl", "--out", tmp_path / "d", "--max-bad", 0.9)
+    assert r.returncode == 0
+    assert "in.jsonl:10: malformed JSON" in r.stdout and "in.jsonl:11:" not in r.stdout
+    assert "skipped 15 of 20 lines: 15 malformed JSON" in r.stdout
+
+
+@pytest.mark.parametrize("content,msg", [("", "is empty"), ("\n\n", "is empty"),
+                                         ("{bad\n[1]\n", "none of its 2 lines is a valid sample")])
+def test_nothing_valid_fails(tmp_path, content, msg):
+    (tmp_path / "in.jsonl").write_text(content)
+    r = cli("prepare", "--input", tmp_path / "in.jsonl", "--out", tmp_path / "d")
+    assert r.returncode == 1 and msg in r.stderr and "in.jsonl" in r.stderr
+    assert not os.path.exists(tmp_path / "d" / "train")
+
+
+def test_cli_errors(tmp_path):
+    r = cli("prepare", "--input", tmp_path / "nope.jsonl", "--out", tmp_path / "d")
+    assert r.returncode == 1 and "nope.jsonl not found" in r.stderr
+    write_jsonl(tmp_path / "in.jsonl", [good(i) for i in range(10)])
+    assert cli("prepare", "--input", tmp_path / "in.jsonl", "--out", tmp_path / "d").returncode == 0
+    r = cli("prepare", "--input", tmp_path / "in.jsonl", "--out", tmp_path / "d")
+    assert r.returncode == 1 and "already exists" in r.stderr and "--force" in r.stderr
+    r = cli("prepare", "--input", tmp_path / "in.jsonl", "--out", tmp_path / "d", "--force", "--val", 0.2)
+    assert r.returncode == 0 and len(open_dataset(tmp_path / "d")) == 8 and len(open_dataset(tmp_path / "d" / "val")) == 2
+    r = cli("prepare", "--input", tmp_path / "in.jsonl", "--out", tmp_path / "d", "--force", "--val", 10)
+    assert r.returncode == 1 and "fewer than all" in r.stderr
+    assert cli("prepare", "--input", tmp_path / "in.jsonl", "--out", tmp_path / "d", "--val", 1.5).returncode == 2
+    assert sorted(os.listdir(tmp_path / "d")) == ["train", "val"]  # no temp directories left behind
+
+
+def test_corrupt_dataset_named(tmp_path):
+    write_dataset(tmp_path / "d", random_samples(20, 5, 10))
+    open_dataset(tmp_path / "d")
+    with open(tmp_path / "d" / "tokens.bin", "r+b") as f:
+        f.truncate(40)
+    with pytest.raises(DataError, match=r"tokens\.bin is 40 bytes.*python data\.py prepare"):
+        open_dataset(tmp_path / "d")
+    os.remove(tmp_path / "d" / "meta.json")
+    with pytest.raises(DataError, match=r"meta\.json not found.*python data\.py prepare"):
+        open_dataset(tmp_path / "d")
+    write_dataset(tmp_path / "v", random_samples(3, 5, 10))
+    meta = json.loads((tmp_path / "v" / "meta.json").read_text())
+    (tmp_path / "v" / "meta.json").write_text(json.dumps({**meta, "version": 99}))
+    with pytest.raises(DataError, match="version 99"):
+        open_dataset(tmp_path / "v")
+    write_dataset(tmp_path / "o", random_samples(3, 5, 10))
+    off = np.fromfile(tmp_path / "o" / "offsets.bin", "<i8")
+    off[[1, 2]] = off[[2, 1]]
+    off.tofile(tmp_path / "o" / "offsets.bin")
+    with pytest.raises(DataError, match=r"offsets\.bin must .*increase"):
+        open_dataset(tmp_path / "o")
+
+
+def test_write_is_atomic(tmp_path):
+    def crashing():
+        yield from random_samples(10, 1, 5)
+        raise RuntimeError("simulated crash")
+    with pytest.raises(RuntimeError):
+        write_dataset(tmp_path / "d", crashing())
+    assert os.listdir(tmp_path) == []  # neither d nor d.tmp-<pid>
+    write_dataset(tmp_path / "d", random_samples(4, 1, 5))
+    with pytest.raises(DataError, match="already exists"):
+        write_dataset(tmp_path / "d", random_samples(4, 1, 5))
+    with pytest.raises(RuntimeError):  # a crash during --force leaves the old dataset intact
+        write_dataset(tmp_path / "d", crashing(), force=True)
+    assert len(open_dataset(tmp_path / "d")) == 4 and os.listdir(tmp_path) == ["d"]
+    write_dataset(tmp_path / "d", random_samples(7, 1, 5), force=True)
+    assert len(open_dataset(tmp_path / "d")) == 7 and os.listdir(tmp_path) == ["d"]
+    with pytest.raises(DataError, match="ids must be integers in"):
+        write_dataset(tmp_path / "e", [(np.array([1, 5]), np.array([1, 1]))], vocab_size=5)
+    assert os.listdir(tmp_path) == ["d"]
+
+
+# -----------------------------------------------------------------------------
+# scale: a few million tokens in flat memory
+
+def rss_kb(field):
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) for l in f if l.startswith(field + ":"))
+
+
+def test_large_dataset_flat_memory(tmp_path):
+    rng = np.random.default_rng(0)
+    n_tok = 0
+    with open(tmp_path / "big.jsonl", "w") as f:
+        while n_tok < 4_000_000:
+            L = int(rng.integers(200, 3000))
+            f.write(json.dumps({"input_ids": rng.integers(0, 200_000, L).tolist()}) + "\n")
+            n_tok += L
+    token_bytes = 4 * n_tok
+    # prepare in a child process, whose peak RSS we compare with a child that only imports the same things
+    # (VmHWM, not ru_maxrss: Linux carries ru_maxrss over fork+exec, so it would report pytest's own size)
+    peak = "import sys; sys.path.insert(0, {!r}); import data, json; {}; print(open('/proc/self/status').read().split('VmHWM:')[1].split()[0])"
+    base = int(subprocess.run([sys.executable, "-c", peak.format(HERE, "pass")], capture_output=True, text=True, check=True).stdout)
+    r = subprocess.run([sys.executable, "-c", peak.format(HERE, f"data.main(['prepare', '--input', {str(tmp_path / 'big.jsonl')!r}, '--out', {str(tmp_path / 'big')!r}, '--val', '0.01'])")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    prep = int(r.stdout.split()[-1])
+    # open and iterate a full epoch. Anonymous memory is what must stay flat: pages of the memory-mapped
+    # files count in VmRSS too, but they are the kernel's page cache, shared and evictable
+    anon0, rss0, anon_peak, seen = rss_kb("RssAnon"), rss_kb("VmRSS"), 0, 0
+    ds = open_dataset(tmp_path / "big")
+    assert ds.meta["n_tokens"] + open_dataset(tmp_path / "big" / "val").meta["n_tokens"] == n_tok
+    p = Packer(ds, 8192, n_shards=2, shard=0, seed=0)
+    for _ in range(p.steps_per_epoch):
+        row = p.next_row()
+        seen += int((row.doc < len(row.samples)).sum())
+        anon_peak = max(anon_peak, rss_kb("RssAnon"))
+    rss1 = rss_kb("VmRSS")
+    grow = anon_peak - anon0
+    print(f"\n[memory] {n_tok / 1e6:.2f}M tokens = {token_bytes / 2**20:.1f} MiB of tokens.bin; "
+          f"prepare peak RSS {prep} KiB vs {base} KiB for the bare imports (+{(prep - base) / 1024:.2f} MiB); "
+          f"epoch of {p.steps_per_epoch} rows of 8192 on shard 0/2: anonymous RSS +{grow / 1024:.2f} MiB peak, "
+          f"VmRSS +{(rss1 - rss0) / 1024:.1f} MiB (incl. mapped page cache)")
+    assert seen > 0.4 * ds.meta["n_tokens"]  # shard 0 of 2 saw about half the tokens
+    assert grow * 1024 < 0.25 * token_bytes
+    assert (prep - base) * 1024 < 0.25 * token_bytes
+
+
+# -----------------------------------------------------------------------------
+# demo (needs model.py with the Target API; skipped until it exists)
+
+def test_demo_is_the_targets_greedy_output(tmp_path):
+    model = pytest.importorskip("model")
+    if not hasattr(model, "Target") or not hasattr(model.Target, "build"):
+        pytest.skip("model.py has no Target.build yet")
+    import torch
+    out = data.make_demo(tmp_path / "demo", samples=10, val_samples=3, new_tokens=20, seed=0, log=print)
+    tr, va = open_dataset(out), open_dataset(os.path.join(out, "val"))
+    assert len(tr) == 10 and len(va) == 3 and tr.vocab_size == model.TargetConfig.preset("tiny").vocab_size
+    target = model.Target.build(model.TargetConfig.preset("tiny")).eval()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny ops: a second thread only adds overhead (see make_demo)
+    prompts = set()
+    for d in (tr, va):
+        for k in range(len(d)):
+            ids, mask = (torch.from_numpy(a.astype(np.int64)) for a in d.sample(k))
+            p = int((mask == 0).sum())
+            assert 8 <= p <= 24 and len(ids) == p + 20 and mask[:p].sum() == 0 and mask[p:].all()
+            prompts.add(tuple(ids[:p].tolist()))
+            # independent of the packed step-by-step generation: one teacher-forced forward over the
+            # sample alone; a causal model's argmax at every continuation position must be the next token
+            logits = target.logits(ids, torch.tensor([0, len(ids)]))
+            assert torch.equal(logits[p - 1:-1].argmax(-1), ids[p:])
+    torch.set_num_threads(threads)
+    assert len(prompts) == 13
+    mtime = os.path.getmtime(os.path.join(out, "train", "meta.json"))
+    assert data.make_demo(tmp_path / "demo", samples=10, val_samples=3, new_tokens=20, seed=0) == out  # reused
+    assert os.path.getmtime(os.path.join(out, "train", "meta.json")) == mtime
+    with pytest.raises(DataError, match="already exists"):  # a different demo is not silently overwritten
+        data.make_demo(tmp_path / "demo", samples=11, val_samples=3, new_tokens=20, seed=0)
+
+# -------------------------------------------------------------------------------------------------------------
+# train.py end to end, in real processes (one process; torchrun + gloo); the demo data is built once, in data/demo
+
+def run_train(out, *flags, nproc=None, timeout=900):
+    cmd = ([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port", str(29500 + nproc)]
+           if nproc else [sys.executable]) + [os.path.join(HERE, "train.py"), "--out", str(out), *flags]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=HERE)
+    assert r.returncode == 0, f"{' '.join(cmd)} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    return r.stdout, [json.loads(l) for l in open(os.path.join(out, "log.jsonl"))]
+
+
+def test_train_demo_defaults(tmp_path):
+    """`python train.py` as a new user runs it: tiny target, demo data, defaults. Held-out acceptance must rise."""
+    import time
+    t0 = time.time()
+    out, log = run_train(tmp_path)
+    evals = [r for r in log if r["kind"] == "eval"]
+    print(f"python train.py: {time.time() - t0:.0f} s, held-out accept {evals[0]['accept']:.3f} -> {evals[-1]['accept']:.3f}, "
+          f"loss {evals[0]['loss']:.3f} -> {evals[-1]['loss']:.3f}")
+    assert evals[0]["accept"] < 1.05 and evals[-1]["accept"] > 1.12, [e["accept"] for e in evals]
+    assert evals[-1]["loss"] < evals[0]["loss"] - 0.5
+    # the z-lab export reproduces the trained drafter (its fp32 master weights rounded to bf16, as exported)
+    ck = torch.load(tmp_path / "ckpt.pt", weights_only=False)
+    trained = Drafter(DrafterConfig(**ck["drafter_config"]))
+    trained.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in ck["drafter"].items()})
+    exported = Drafter.from_pretrained(str(tmp_path / "drafter"))
+    tgt = Target.build(TargetConfig.preset("tiny"))
+    ids = torch.randint(1, 500, (40,))
+    feats = tgt.features(ids, torch.tensor([0, 40]), trained.config.target_layer_ids)
+    args = (feats[:30], torch.arange(30), ids[30], torch.tensor(30), tgt.embed_tokens.weight, tgt.lm_head.weight)
+    assert torch.equal(trained.propose(*args)[1], exported.propose(*args)[1])
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_torchrun_pairs_gloo(tmp_path, nproc):
+    """One pair (2 processes) and two pairs (4): targets stream features to drafters, drafters all-reduce."""
+    out, log = run_train(tmp_path, "--max-steps", "6", "--log-interval", "3", "--eval-interval", "3", nproc=nproc)
+    assert f"{nproc // 2} pair(s)" in out and "end: drafter weights identical" in out, out[-2000:]
+    assert float(out.split("max abs diff ")[1].split()[0]) == 0.0
+    train = [r for r in log if r["kind"] == "train"]
+    assert len(train) == 2 and all(math.isfinite(r["loss"]) for r in train) and len(train[-1]["mem_gib"]) == nproc
+
+
+def test_resume_continues_exactly(tmp_path):
+    """8 steps straight == 4 steps, a stop (the job is killed after its step-4 checkpoint), --resume, 4 more."""
+    flags = ["--max-steps", "8", "--log-interval", "1", "--eval-interval", "1000", "--save-interval", "4"]
+    _, straight = run_train(tmp_path / "a", *flags)
+    b = tmp_path / "b"
+    p = subprocess.Popen([sys.executable, os.path.join(HERE, "train.py"), "--out", str(b), *flags], cwd=HERE,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    for line in p.stdout:
+        if "step 4: saved" in line:
+            p.kill()
+            break
+    p.wait()
+    _, resumed = run_train(b, *flags, "--resume")
+    a_loss = {r["step"]: r["loss"] for r in straight if r["kind"] == "train"}
+    b_loss = {r["step"]: r["loss"] for r in resumed if r["kind"] == "train"}
+    assert {5, 6, 7, 8} <= set(b_loss), b_loss
+    for s in (5, 6, 7, 8):
+        assert abs(a_loss[s] - b_loss[s]) < 1e-5, (s, a_loss[s], b_loss[s])
