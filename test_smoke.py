@@ -13,18 +13,18 @@ import random
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
-from model import Target, TargetConfig, positions_from_cu, torch_chunk_gated_delta_rule
 from safetensors import safe_open
-import model
-from model import (Drafter, DrafterConfig, Target, TargetConfig, anchor_mask_mod, default_target_layer_ids,
-                   positions_from_cu, rope_cos_sin, sample_anchors)
-import numpy as np
+from safetensors.torch import save_file
+
 import data
+import model
 from data import DataError, Packer, open_dataset, write_dataset
+from model import (Drafter, DrafterConfig, Target, TargetConfig, anchor_mask_mod, default_target_layer_ids,
+                   positions_from_cu, rope_cos_sin, sample_anchors, torch_chunk_gated_delta_rule)
 
 
 # -------------------------------------------------------------------------------------------------------------
@@ -1612,3 +1612,128 @@ def test_resume_continues_exactly(tmp_path):
     assert {5, 6, 7, 8} <= set(b_loss), b_loss
     for s in (5, 6, 7, 8):
         assert abs(a_loss[s] - b_loss[s]) < 1e-5, (s, a_loss[s], b_loss[s])
+
+
+# -------------------------------------------------------------------------------------------------------------
+# reliability: faults, bad input, multi-node (issue 8)
+
+def demo_data():
+    return data.make_demo(os.path.join(HERE, "data", "demo"), log=lambda *a: None)
+
+
+def train_fails(tmp_path, *flags, nproc=None):
+    cmd = ([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port", "29531"]
+           if nproc else [sys.executable]) + [os.path.join(HERE, "train.py"), "--out", str(tmp_path), *flags]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=HERE, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode != 0, r.stdout[-2000:]
+    return r.stdout + r.stderr
+
+
+def test_start_checks(tmp_path):
+    """Each mismatch is caught at start with one line that names the flag or file."""
+    demo = demo_data()
+    big = tmp_path / "bigvocab"
+    write_dataset(str(big / "train"), [(np.arange(600, dtype=np.uint32), np.ones(600, np.uint8))], vocab_size=1000)
+    assert "past the target's vocab (512)" in train_fails(tmp_path / "o1", "--data", str(big))
+    assert "--mask-token-id 99999 is not a row of the target's embedding" in train_fails(tmp_path / "o2", "--mask-token-id", "99999")
+    assert "--anchors 200 is too many for --budget 128" in train_fails(tmp_path / "o3", "--anchors", "200")
+    assert "--budget 16 must hold at least two blocks" in train_fails(tmp_path / "o4", "--budget", "16")
+    other = Drafter(DrafterConfig.from_target(TargetConfig.preset("tiny"), n_feat=2))   # taps [1, 5], not [1, 3, 5]
+    other.save_pretrained(str(tmp_path / "other"))
+    assert "does not match the target" in train_fails(tmp_path / "o5", "--init-drafter", str(tmp_path / "other"))
+    assert "DFlash pairs need an even number" in train_fails(tmp_path / "o6", "--data", demo, nproc=3)
+
+
+def test_bad_checkpoint_and_nonfinite(tmp_path):
+    """A truncated or foreign ckpt.pt is named in the error; a run whose loss goes non-finite skips those
+    updates on device, logs them with step and row, and stops with a message when they repeat."""
+    out = tmp_path / "o"
+    run_train(out, "--max-steps", "2", "--log-interval", "1", "--save-interval", "2")
+    good = (out / "ckpt.pt").read_bytes()
+    (out / "ckpt.pt").write_bytes(good[: len(good) // 2])
+    assert f"{out / 'ckpt.pt'} is not a readable checkpoint" in train_fails(out, "--max-steps", "4", "--resume")
+    torch.save({"model": {}}, out / "ckpt.pt")
+    assert f"{out / 'ckpt.pt'} is not a readable checkpoint" in train_fails(out, "--max-steps", "4", "--resume")
+    msg = train_fails(tmp_path / "nan", "--max-steps", "40", "--log-interval", "10", "--lr", "1e30")
+    assert "non-finite loss or grad norm, update skipped at (step, epoch, row)" in msg and "stopping" in msg, msg[-3000:]
+
+
+def test_killed_rank_stops_job_and_resume_continues(tmp_path):
+    """SIGKILL the drafter mid-run: the whole torchrun job exits within seconds (not a collective timeout),
+    the last checkpoint is intact, and --resume continues the same loss curve."""
+    import signal
+    import time
+    flags = ["--data", demo_data(), "--max-steps", "40", "--log-interval", "1", "--eval-interval", "1000", "--save-interval", "10"]
+    _, straight = run_train(tmp_path / "a", *flags)
+    b = tmp_path / "b"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", "29533",
+           os.path.join(HERE, "train.py"), "--out", str(b), *flags]
+    p = subprocess.Popen(cmd, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    for line in p.stdout:
+        if line.startswith("step 13/"):
+            break
+    drafter = [int(pid) for pid in os.listdir("/proc") if pid.isdigit() and _is_drafter(int(pid), str(b))]
+    assert len(drafter) == 1, drafter
+    t0 = time.time()
+    os.kill(drafter[0], signal.SIGKILL)
+    rest = p.communicate(timeout=120)[0]
+    assert p.returncode != 0 and time.time() - t0 < 60, (p.returncode, time.time() - t0)
+    assert "--resume" in rest, rest[-2000:]                       # the survivor says how to continue
+    _, resumed = run_train(b, *flags, "--resume", nproc=2)
+    a_loss = {r["step"]: r["loss"] for r in straight if r["kind"] == "train"}
+    b_loss = {r["step"]: r["loss"] for r in resumed if r["kind"] == "train"}
+    assert min(b_loss) == 11 and max(b_loss) == 40
+    for s in range(11, 41):
+        assert abs(a_loss[s] - b_loss[s]) < 1e-4, (s, a_loss[s], b_loss[s])
+
+
+def _is_drafter(pid, out):
+    try:
+        cmd = open(f"/proc/{pid}/cmdline").read().split("\0")
+        env = open(f"/proc/{pid}/environ").read().split("\0")
+    except OSError:
+        return False
+    return "--out" in cmd and out in cmd and "LOCAL_RANK=1" in env and "torch.distributed.run" not in " ".join(cmd)
+
+
+def test_multinode_gloo_and_caches(tmp_path):
+    """torchrun --nnodes=2 --nproc_per_node=2 on loopback: each pair stays in its node, both drafters end
+    identical; every rank has its own cache dirs; --fresh-cache empties them."""
+    cache = tmp_path / "cache"
+    marker = cache / "rank0" / "triton" / "stale"
+    marker.parent.mkdir(parents=True)
+    marker.write_text("x")
+    flags = ["--data", demo_data(), "--max-steps", "4", "--log-interval", "2", "--eval-interval", "2",
+             "--cache-dir", str(cache), "--fresh-cache"]
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2",
+                               f"--node_rank={n}", "--master_addr=127.0.0.1", "--master_port=29535",
+                               os.path.join(HERE, "train.py"), "--out", str(tmp_path / "o"), *flags],
+                              cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"}) for n in (0, 1)]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs[0][-2000:] + outs[1][-2000:]
+    log = outs[0] + outs[1]
+    assert "2 pair(s)" in log and float(log.split("max abs diff ")[1].split()[0]) == 0.0
+    roles = [l.split() for l in log.splitlines() if l.startswith("  rank ")]
+    assert [(r[1], r[2], r[4]) for r in roles] == [("0:", "target", "0"), ("1:", "drafter", "0"),
+                                                   ("2:", "target", "1"), ("3:", "drafter", "1")]
+    dirs = [d for l in log.splitlines() if l.startswith("  rank ") for d in l.split("caches ")[1].split()]
+    assert len(dirs) == 8 == len(set(dirs)), dirs
+    assert not marker.exists()
+
+
+def test_crash_while_writing_checkpoint(tmp_path):
+    """A process that dies in the middle of writing ckpt.pt (here: killed by the file-size limit, SIGXFSZ,
+    once the file passes 1.5 MB) leaves the previous checkpoint whole: the next --resume starts from it."""
+    import resource
+    flags = ["--max-steps", "4", "--log-interval", "1", "--eval-interval", "1000", "--save-interval", "2"]
+    run_train(tmp_path, *flags[:1], "2", *flags[2:])                      # a good checkpoint at step 2
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=False)["step"] == 2
+    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (3 << 19, 3 << 19))
+    r = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), "--out", str(tmp_path), *flags, "--resume"],
+                       cwd=HERE, capture_output=True, text=True, preexec_fn=limit, timeout=600)
+    assert r.returncode != 0 and os.path.getsize(tmp_path / "ckpt.pt") > 3 << 19   # it died writing the step-4 one
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=False)["step"] == 2
+    _, log = run_train(tmp_path, *flags, "--resume")
+    assert [r["step"] for r in log if r["kind"] == "train"][-2:] == [3, 4]

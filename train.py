@@ -12,6 +12,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -63,6 +64,13 @@ cache_dirs = [os.environ["TRITON_CACHE_DIR"], os.environ["TORCHINDUCTOR_CACHE_DI
 if args.fresh_cache:
     for d in cache_dirs:
         shutil.rmtree(d, ignore_errors=True)
+
+def on_sigterm(signum, frame):
+    # torchrun tears the whole job down when one process dies: say why, and how to go on, instead of a bare kill
+    print(f"rank {rank}: stopping on SIGTERM (another process of this job failed, or the job was cancelled); "
+          f"continue from the last checkpoint with --resume --out {args.out}", file=sys.stderr, flush=True)
+    os._exit(143)
+signal.signal(signal.SIGTERM, on_sigterm)
 
 import numpy as np
 import torch
@@ -135,8 +143,8 @@ checks = [(train_ds.vocab_size <= tcfg.vocab_size, f"--data {data_dir}: token id
            f"past the target's vocab ({tcfg.vocab_size}); prepare the data with the target's tokenizer"),
           (0 <= dcfg.mask_token_id < tcfg.vocab_size, f"--mask-token-id {dcfg.mask_token_id} is not a row of the "
            f"target's embedding (vocab {tcfg.vocab_size})"),
-          (N * B <= 4 * S and N < S, f"--anchors {N} is too many for --budget {S}: at most {min(S - 1, 4 * S // B)}"),
-          (S >= 2 * B, f"--budget {S} must hold at least two blocks ({2 * B} tokens)")]
+          (S >= 2 * B, f"--budget {S} must hold at least two blocks ({2 * B} tokens)"),
+          (N * B <= 4 * S and N < S, f"--anchors {N} is too many for --budget {S}: at most {min(S - 1, 4 * S // B)}")]
 for ok, msg in checks:
     if not ok:
         sys.exit("error: " + msg)
@@ -181,8 +189,17 @@ if is_drafter:
     # Anchors are sampled on device (a few kernels, no host sync) just before the graph and enter it as inputs:
     # inductor's flex lowering fails on mask_mod tensors computed inside the same graph ("convert
     # FlexibleLayout to FixedLayout first", torch 2.11).
-    train_fn = lambda feats, meta: train_graph(feats, meta, *sample_anchors(meta[1], meta[2], N))
-    eval_fn = lambda feats, meta: eval_graph(feats, meta, *sample_anchors(meta[1], meta[2], N))
+    def with_advice(graph):
+        def run(feats, meta):
+            try:
+                return graph(feats, meta, *sample_anchors(meta[1], meta[2], N))
+            except Exception:
+                print(f"rank {rank}: the drafter step failed. If this is a compile or autotune error, a corrupted "
+                      f"cache can be the cause: rerun with --fresh-cache (this rank's caches: {' '.join(cache_dirs)})",
+                      file=sys.stderr, flush=True)
+                raise
+        return run
+    train_fn, eval_fn = with_advice(train_graph), with_advice(eval_graph)
     if cuda:
         warnings.filterwarnings("error", message=".*flex_attention called without torch.compile.*")
 
@@ -373,7 +390,7 @@ if not cuda:
 K = 4 + 2 * B                                    # loss, accept sum, blocks, non-finite, per-slot correct/count
 acc, eval_acc = torch.zeros(K, device=device), torch.zeros(K, device=device)
 gnorm_sum = torch.zeros((), device=device)
-bad_rows = torch.zeros(args.log_interval, 3, dtype=torch.long, device=device)   # step, epoch, row index
+bad_rows = torch.zeros(args.log_interval, 4, dtype=torch.long, device=device)   # non-finite?, step, epoch, row
 times, checked_fused, t_window, n_window = [], not cuda, time.perf_counter(), 0
 t_start = t_window
 
@@ -434,7 +451,7 @@ for step, kind, r in schedule(start_step):
             torch._dynamo.config.error_on_recompile = True      # warm: from now on a recompile is an error
         acc += metrics(out, bad)
         gnorm_sum += gnorm.detach().nan_to_num(0.0)
-        bad_rows[n_window] = torch.stack([torch.tensor(step, device=device), meta[4, 0], meta[4, 1]]) * bad
+        bad_rows[n_window] = torch.stack([bad.long(), torch.tensor(step, device=device), meta[4, 0], meta[4, 1]])
         n_window += 1
     elif kind == "log":
         sync()
@@ -445,7 +462,7 @@ for step, kind, r in schedule(start_step):
         wait = sum(ms(x, y) for x, y, _ in times) / n - tf    # world size 1: the target ran inside that span
         dstep = sum(ms(y, z) for _, y, z in times) / n
         if a[3]:
-            rows = [r_ for r_ in bad_rows[:n].tolist() if any(r_)]
+            rows = [r_[1:] for r_ in bad_rows[:n].tolist() if r_[0]]
             log(dict(kind="nonfinite", step=step, rows=rows), f"step {step}: non-finite loss or grad norm, update "
                 f"skipped at (step, epoch, row) {rows} on this rank; {int(a[3])} in the last {n} steps on all drafters")
             if a[3] * 2 > n * n_pairs:
