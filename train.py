@@ -72,6 +72,13 @@ def on_sigterm(signum, frame):
     os._exit(143)
 signal.signal(signal.SIGTERM, on_sigterm)
 
+def on_error(tp, value, tb):
+    # e.g. a peer died and gloo/NCCL closed the connection: the traceback, then what to do about it
+    sys.__excepthook__(tp, value, tb)
+    print(f"rank {rank}: stopped by {tp.__name__}; continue from the last checkpoint with --resume --out {args.out}",
+          file=sys.stderr, flush=True)
+sys.excepthook = on_error
+
 import numpy as np
 import torch
 import torch.distributed as dist
