@@ -1553,11 +1553,17 @@ def test_demo_is_the_targets_greedy_output(tmp_path):
 # -------------------------------------------------------------------------------------------------------------
 # train.py end to end, in real processes (one process; torchrun + gloo); the demo data is built once, in data/demo
 
+def clean_env():
+    # like a fresh shell: inductor writes its default TORCHINDUCTOR_CACHE_DIR into os.environ once anything in
+    # this process compiled, and an inherited value would (rightly) be taken as the user's choice for all ranks
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+    return {**env, "OMP_NUM_THREADS": "1"}
+
+
 def run_train(out, *flags, nproc=None, timeout=900):
     cmd = ([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port", str(29500 + nproc)]
            if nproc else [sys.executable]) + [os.path.join(HERE, "train.py"), "--out", str(out), *flags]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=HERE)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=clean_env(), cwd=HERE)
     assert r.returncode == 0, f"{' '.join(cmd)} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     return r.stdout, [json.loads(l) for l in open(os.path.join(out, "log.jsonl"))]
 
@@ -1600,7 +1606,7 @@ def test_resume_continues_exactly(tmp_path):
     _, straight = run_train(tmp_path / "a", *flags)
     b = tmp_path / "b"
     p = subprocess.Popen([sys.executable, os.path.join(HERE, "train.py"), "--out", str(b), *flags], cwd=HERE,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=clean_env())
     for line in p.stdout:
         if "step 4: saved" in line:
             p.kill()
@@ -1624,7 +1630,7 @@ def demo_data():
 def train_fails(tmp_path, *flags, nproc=None):
     cmd = ([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port", "29531"]
            if nproc else [sys.executable]) + [os.path.join(HERE, "train.py"), "--out", str(tmp_path), *flags]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=HERE, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=HERE, env=clean_env())
     assert r.returncode != 0, r.stdout[-2000:]
     return r.stdout + r.stderr
 
@@ -1669,7 +1675,7 @@ def test_killed_rank_stops_job_and_resume_continues(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", "29533",
            os.path.join(HERE, "train.py"), "--out", str(b), *flags]
     p = subprocess.Popen(cmd, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+                         env=clean_env())
     for line in p.stdout:
         if line.startswith("step 13/"):
             break
@@ -1712,7 +1718,7 @@ def test_multinode_gloo_and_caches(tmp_path):
                                f"--node_rank={n}", "--master_addr=127.0.0.1", "--master_port=29535",
                                os.path.join(HERE, "train.py"), "--out", str(tmp_path / "o"), *flags],
                               cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"}) for n in (0, 1)]
+                              env=clean_env()) for n in (0, 1)]
     outs = [p.communicate(timeout=600)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outs[0][-2000:] + outs[1][-2000:]
     log = outs[0] + outs[1]
@@ -1734,7 +1740,7 @@ def test_crash_while_writing_checkpoint(tmp_path):
     assert torch.load(tmp_path / "ckpt.pt", weights_only=False)["step"] == 2
     limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (3 << 19, 3 << 19))
     r = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), "--out", str(tmp_path), *flags, "--resume"],
-                       cwd=HERE, capture_output=True, text=True, preexec_fn=limit, timeout=600)
+                       cwd=HERE, capture_output=True, text=True, preexec_fn=limit, timeout=600, env=clean_env())
     assert r.returncode != 0 and os.path.getsize(tmp_path / "ckpt.pt") > 3 << 19   # it died writing the step-4 one
     assert torch.load(tmp_path / "ckpt.pt", weights_only=False)["step"] == 2
     _, log = run_train(tmp_path, *flags, "--resume")
