@@ -1745,3 +1745,15 @@ def test_crash_while_writing_checkpoint(tmp_path):
     assert torch.load(tmp_path / "ckpt.pt", weights_only=False)["step"] == 2
     _, log = run_train(tmp_path, *flags, "--resume")
     assert [r["step"] for r in log if r["kind"] == "train"][-2:] == [3, 4]
+
+
+def test_broken_cache_gives_advice_and_fresh_cache_fixes_it(tmp_path):
+    """A cache that can't be used (here the inductor cache path is a stray file) stops the run with the rank's
+    cache dirs and the --fresh-cache advice; --fresh-cache then runs."""
+    cache = tmp_path / "cache"
+    (cache / "rank0").mkdir(parents=True)
+    (cache / "rank0" / "inductor").write_text("not a directory")
+    flags = ["--max-steps", "2", "--log-interval", "1", "--cache-dir", str(cache)]
+    msg = train_fails(tmp_path / "o", *flags)
+    assert "rerun with --fresh-cache" in msg and str(cache / "rank0" / "inductor") in msg, msg[-3000:]
+    run_train(tmp_path / "o", *flags, "--fresh-cache")

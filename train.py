@@ -63,7 +63,10 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache_root, f"rank
 cache_dirs = [os.environ["TRITON_CACHE_DIR"], os.environ["TORCHINDUCTOR_CACHE_DIR"]]
 if args.fresh_cache:
     for d in cache_dirs:
-        shutil.rmtree(d, ignore_errors=True)
+        if os.path.isdir(d):
+            shutil.rmtree(d)
+        elif os.path.exists(d):
+            os.remove(d)
 
 def on_sigterm(signum, frame):
     # torchrun tears the whole job down when one process dies: say why, and how to go on, instead of a bare kill
@@ -75,8 +78,9 @@ signal.signal(signal.SIGTERM, on_sigterm)
 def on_error(tp, value, tb):
     # e.g. a peer died and gloo/NCCL closed the connection: the traceback, then what to do about it
     sys.__excepthook__(tp, value, tb)
-    print(f"rank {rank}: stopped by {tp.__name__}; continue from the last checkpoint with --resume --out {args.out}",
-          file=sys.stderr, flush=True)
+    print(f"rank {rank}: stopped by {tp.__name__}; continue from the last checkpoint with --resume --out {args.out}. "
+          f"If this is a compile, autotune or cache error, a corrupted cache can be the cause: rerun with "
+          f"--fresh-cache (this rank's caches: {' '.join(cache_dirs)})", file=sys.stderr, flush=True)
 sys.excepthook = on_error
 
 import numpy as np
@@ -196,17 +200,8 @@ if is_drafter:
     # Anchors are sampled on device (a few kernels, no host sync) just before the graph and enter it as inputs:
     # inductor's flex lowering fails on mask_mod tensors computed inside the same graph ("convert
     # FlexibleLayout to FixedLayout first", torch 2.11).
-    def with_advice(graph):
-        def run(feats, meta):
-            try:
-                return graph(feats, meta, *sample_anchors(meta[1], meta[2], N))
-            except Exception:
-                print(f"rank {rank}: the drafter step failed. If this is a compile or autotune error, a corrupted "
-                      f"cache can be the cause: rerun with --fresh-cache (this rank's caches: {' '.join(cache_dirs)})",
-                      file=sys.stderr, flush=True)
-                raise
-        return run
-    train_fn, eval_fn = with_advice(train_graph), with_advice(eval_graph)
+    train_fn = lambda feats, meta: train_graph(feats, meta, *sample_anchors(meta[1], meta[2], N))
+    eval_fn = lambda feats, meta: eval_graph(feats, meta, *sample_anchors(meta[1], meta[2], N))
     if cuda:
         warnings.filterwarnings("error", message=".*flex_attention called without torch.compile.*")
 
