@@ -237,7 +237,7 @@ else:
     r1, r2 = recs.get("roles (1 GPU, both roles)"), recs.get("pair (2 GPUs)")
     print(f"\n{torch.cuda.get_device_name()} | torch {torch.__version__} | matmul peak {peak / 1e12:.0f} TFLOP/s | "
           f"anchors {N} budget {S} drafter layers {args.drafter_layers} | {time.strftime('%Y-%m-%d')}")
-    print(f"| measure | value |\n|---|---|")
+    print("| measure | value |\n|---|---|")
     if r1:
         print(f"| target forward (alone) | {r1['ms_target']:.0f} ms, MFU {tfl / (r1['ms_target'] * 1e-3) / peak:.1%} |")
         print(f"| drafter step (alone) | {r1['ms_drafter']:.0f} ms, MFU {dfl / (r1['ms_drafter'] * 1e-3) / peak:.1%} |")

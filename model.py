@@ -8,10 +8,9 @@ Facts and sources: ../shared/reference/target.md (target) and dflash.md (drafter
 """
 import functools
 import json
-import math
 import os
 import zlib
-from dataclasses import dataclass, field, asdict, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn as nn

@@ -86,7 +86,6 @@ sys.excepthook = on_error
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from model import Target, TargetConfig, Drafter, DrafterConfig, sample_anchors
 from data import open_dataset, Packer, make_demo
 
