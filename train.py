@@ -391,7 +391,7 @@ if not cuda:
 K = 4 + 2 * B                                    # loss, accept sum, blocks, non-finite, per-slot correct/count
 acc, eval_acc = torch.zeros(K, device=device), torch.zeros(K, device=device)
 gnorm_sum = torch.zeros((), device=device)
-bad_rows = torch.zeros(args.log_interval, 4, dtype=torch.long, device=device)   # non-finite?, step, epoch, row
+bad_rows = torch.zeros(args.log_interval, 3, dtype=torch.long, device=device)   # non-finite?, epoch, row
 times, checked_fused, t_window, n_window = [], not cuda, time.perf_counter(), 0
 t_start = t_window
 
@@ -440,6 +440,8 @@ for step, kind, r in schedule(start_step):
         if step == start_step:
             sync()
             print0(f"step {step}: first step done (drafter graph compiled) {time.perf_counter() - t_start:.0f} s after start")
+            if not args.no_compile:
+                torch._dynamo.config.error_on_recompile = True  # warm: from now on a recompile is an error
         if prof:
             prof.__exit__(None, None, None)
             fused = sorted({e.name for e in prof.events() if "flex_attention_backward" in e.name})
@@ -448,11 +450,9 @@ for step, kind, r in schedule(start_step):
                                    "train on the dense fallback (~17 GB per layer at 512 anchors / 8192 budget)")
             print0(f"step {step}: fused flex_attention backward verified (profiler saw {fused[0] if fused else 'none'})")
             checked_fused = True
-        if not args.no_compile:
-            torch._dynamo.config.error_on_recompile = True      # warm: from now on a recompile is an error
         acc += metrics(out, bad)
         gnorm_sum += gnorm.detach().nan_to_num(0.0)
-        bad_rows[n_window] = torch.stack([bad.long(), torch.tensor(step, device=device), meta[4, 0], meta[4, 1]])
+        bad_rows[n_window, 0], bad_rows[n_window, 1:] = bad, meta[4, :2]   # device copies, no host sync
         n_window += 1
     elif kind == "log":
         sync()
@@ -463,7 +463,7 @@ for step, kind, r in schedule(start_step):
         wait = sum(ms(x, y) for x, y, _ in times) / n - tf    # world size 1: the target ran inside that span
         dstep = sum(ms(y, z) for _, y, z in times) / n
         if a[3]:
-            rows = [r_[1:] for r_ in bad_rows[:n].tolist() if r_[0]]
+            rows = [[step + 1 - n + i, *r_[1:]] for i, r_ in enumerate(bad_rows[:n].tolist()) if r_[0]]
             log(dict(kind="nonfinite", step=step, rows=rows), f"step {step}: non-finite loss or grad norm, update "
                 f"skipped at (step, epoch, row) {rows} on this rank; {int(a[3])} in the last {n} steps on all drafters")
             if a[3] * 2 > n * n_pairs:
