@@ -20,7 +20,7 @@ import time
 import numpy as np
 import torch
 import torch.nn.functional as F
-from model import Target, TargetConfig, Drafter, DrafterConfig, sample_anchors, anchor_mask_mod, positions_from_cu
+from model import Target, TargetConfig, Drafter, DrafterConfig, sample_anchors, anchor_mask_mod, anchor_blocks, positions_from_cu
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("what", choices=["check", "target", "drafter", "pair"])
@@ -29,6 +29,7 @@ p.add_argument("--budget", type=int, default=8192, help="tokens per row")
 p.add_argument("--drafter-layers", type=int, default=5, help="drafter decoder layers")
 p.add_argument("--steps", type=int, default=30, help="training steps per train.py run (the last 10 are timed)")
 p.add_argument("--timeout", type=float, default=600, help="seconds allowed for each train.py run")
+p.add_argument("--runs", default="one,pair", help="pair mode: which train.py runs (one: 1 GPU both roles; pair: 2 GPUs)")
 p.add_argument("--docs", type=int, default=4, help="documents per row in the synthetic data")
 p.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "dflash-bench"), help="scratch dir")
 args = p.parse_args()
@@ -85,11 +86,12 @@ if args.what == "check":
     tgt = Target.build(tcfg, device=dev)
     anchors, keep = sample_anchors(lm, doc, N)
     keep[-3:] = False                                             # padded slots too
+    blocks = anchor_blocks(anchors, keep, doc, S, dcfg.block_size)
     res = {}
     for name, flex in (("dense", None), ("flex", {})):
         torch.manual_seed(0)
         d = Drafter(dcfg).to(dev)
-        fn = lambda: d(feats, tokens, lm, doc, pos, anchors, keep, tgt.embed_tokens.weight, tgt.lm_head.weight, 7.0, flex)
+        fn = lambda: d(feats, tokens, lm, doc, pos, anchors, keep, tgt.embed_tokens.weight, tgt.lm_head.weight, 7.0, flex, blocks)
         out = (torch.compile(fn, fullgraph=True) if flex is not None else fn)()
         out["loss"].backward()
         res[name] = (out["loss"].detach(), {n: q.grad for n, q in d.named_parameters()})
@@ -158,12 +160,13 @@ elif args.what == "drafter":
     tokens = torch.randint(0, 248000, (S,), device=dev)
     lm = (torch.rand(S, device=dev) < 0.7).long()
     feats = torch.randn(S, len(dcfg.target_layer_ids) * tcfg.hidden_size, device=dev, dtype=torch.bfloat16)
-    def graph(anchors, keep):              # as train.py's drafter_step
+    def graph(anchors, keep, blocks):      # as train.py's drafter_step
         with torch.autocast("cuda", torch.bfloat16):
-            return d(feats, tokens, lm, doc, pos, anchors, keep, tgt.embed_tokens.weight, tgt.lm_head.weight, 7.0, {})
+            return d(feats, tokens, lm, doc, pos, anchors, keep, tgt.embed_tokens.weight, tgt.lm_head.weight, 7.0, {}, blocks)
     graph = torch.compile(graph, fullgraph=True, dynamic=False)
     def step():
-        out = graph(*sample_anchors(lm, doc, N))
+        anchors, keep = sample_anchors(lm, doc, N)
+        out = graph(anchors, keep, anchor_blocks(anchors, keep, doc, S, B))
         out["loss"].backward()
         torch.nn.utils.clip_grad_norm_(d.parameters(), 1.0)
         opt.step()
@@ -205,6 +208,8 @@ else:
             "pair (2 GPUs)": ["torchrun", "--nproc_per_node=2"] + common + ["--out", os.path.join(args.out, "pair")]}
     recs = {}
     for name, cmd in runs.items():
+        if name.split()[0].replace("roles", "one") not in args.runs.split(","):
+            continue
         if torch.cuda.device_count() < 2 and "pair" in name:
             print("one GPU only: pair not run")
             continue
@@ -212,10 +217,12 @@ else:
         if os.path.exists(os.path.join(log, "log.jsonl")):
             os.remove(os.path.join(log, "log.jsonl"))
         print("$ " + " ".join(cmd), flush=True)
+        proc = subprocess.Popen(cmd, start_new_session=True)
         try:
-            subprocess.run(cmd, check=True, timeout=args.timeout)
-        except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
-            print(f"{name}: {type(e).__name__}")
+            print(f"{name}: exit code {proc.wait(timeout=args.timeout)}")
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)      # torchrun and every rank it started
+            print(f"{name}: killed after {args.timeout:.0f} s")
         lines = [json.loads(l) for l in open(os.path.join(log, "log.jsonl")) if '"train"' in l]
         if lines:
             recs[name] = lines[-1]

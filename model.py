@@ -524,6 +524,38 @@ def sample_anchors(loss_mask, doc, n):
     keep = anchors <= valid.shape[0]
     return torch.where(keep, anchors, 0), keep
 
+def anchor_blocks(anchors, keep, doc, S, B, tile=128):
+    """The BlockMask of anchor_mask_mod in closed form, eager and sort-free on the device: (kv_num, kv_idx,
+    full_kv_num, full_kv_idx, q_num, q_idx, full_q_num, full_q_idx), exactly what create_block_mask returns
+    (test_smoke checks it). Why not create_block_mask inside the compiled step: on torch 2.11 its compiled
+    argsort becomes a Triton sort whose cold compile took minutes at 512 anchors (pytorch#182060). Needs
+    each document to be one contiguous run of `doc`, as the packer writes rows: then query row r of
+    anchor j sees the interval [start of a_j's document, a_j) of context and its own B keys."""
+    N, dev = anchors.shape[0], anchors.device
+    Q, KV = N * B, S + N * B
+    t = torch.arange(S, device=dev)
+    new_doc = torch.ones(S, dtype=torch.bool, device=dev)
+    new_doc[1:] = doc[1:] != doc[:-1]
+    start = torch.where(new_doc, t, 0).cummax(0).values                  # first position of each token's document
+    j = torch.arange(-(-Q // tile) * tile, device=dev) // B              # anchor of each (tile-padded) query row
+    real = (j < N)[:, None]
+    j = j.clamp(max=N - 1)
+    a, kp = anchors[j][:, None], keep[j][:, None]
+    lo, hi, blo = start[a], a, S + B * j[:, None]                        # context [lo, hi), own block [blo, blo+B)
+    k0 = torch.arange(0, KV, tile, device=dev)[None, :]                  # first key of each kv tile
+    k1 = k0 + tile
+    hit = kp & real & ((lo.maximum(k0) < hi.minimum(k1)) | (blo.maximum(k0) < (blo + B).minimum(k1)))
+    cs, ce, bs = k0, k1.clamp(max=S), k0.clamp(min=S)                    # tile split at S: context part, block part
+    full = kp & real & ((cs >= ce) | ((lo <= cs) & (ce <= hi))) & ((bs >= k1) | ((blo <= bs) & (k1 <= blo + B)))
+    R = hit.shape[0] // tile
+    hit = hit.view(R, tile, -1).any(1)                                   # [q tiles, kv tiles]
+    full = full.view(R, tile, -1).all(1)
+    part = hit & ~full
+    def ordered(dense):   # as flex's own: block count per row, indices of the set blocks first, ascending
+        idx = torch.argsort(dense.to(torch.int32), dim=-1, descending=True, stable=True)
+        return dense.sum(-1).to(torch.int32)[None, None], idx.to(torch.int32)[None, None]
+    return (*ordered(part), *ordered(full), *ordered(part.t()), *ordered(full.t()))
+
 class _WeightedCE(torch.autograd.Function):
     """sum_i w_i * CE(h_i @ W^T, y_i) over the frozen LM head, in chunks of rows so the [N*B, vocab] logits
     never exist at once. The gradient wrt h is computed in the forward (W is frozen, so this is the only
@@ -575,10 +607,11 @@ class Drafter(nn.Module):
         return self.norm(h)
 
     def forward(self, feats, tokens, loss_mask, doc, pos, anchors, keep, embed, head, gamma=7.0, flex=None,
-                ce_chunk=1024):
+                blocks=None, ce_chunk=1024):
         """Masked training forward over one packed row. feats [S, n*H], tokens/loss_mask/doc/pos [S],
         anchors/keep [N] from sample_anchors, embed/head the target's frozen weights [V, H].
-        flex: None -> dense boolean mask + SDPA (CPU); else a dict of flex_attention kernel options (GPU).
+        flex: None -> dense boolean mask + SDPA (CPU); else a dict of flex_attention kernel options (GPU), with
+        blocks = anchor_blocks(...) (computed here when None; pass it in when compiling, see anchor_blocks).
         Returns a dict of device tensors: loss and the sums behind acceptance / per-slot accuracy."""
         c, S, N, B = self.config, tokens.shape[0], anchors.shape[0], self.config.block_size
         k = torch.arange(B, device=tokens.device)
@@ -594,8 +627,9 @@ class Drafter(nn.Module):
                 o = F.scaled_dot_product_attention(q, k_, v, attn_mask=allowed, enable_gqa=True)
                 return o.masked_fill(~allowed.any(-1)[:, None], 0.0)   # padded slots: zeros, as flex gives
         else:
-            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-            bm = create_block_mask(mask_mod, None, None, N * B, S + N * B, device=tokens.device)
+            from torch.nn.attention.flex_attention import BlockMask, flex_attention
+            blocks = anchor_blocks(anchors, keep, doc, S, B) if blocks is None else blocks
+            bm = BlockMask((N * B, S + N * B), *blocks, BLOCK_SIZE=(128, 128), mask_mod=mask_mod)
             def attend(q, k_, v):
                 return flex_attention(q, k_, v, block_mask=bm, enable_gqa=True, kernel_options=flex or None)
         block_pos = (pos[anchors][:, None] + k).view(-1)                  # RoPE positions anchor..anchor+B-1 in its document

@@ -86,7 +86,7 @@ sys.excepthook = on_error
 import numpy as np
 import torch
 import torch.distributed as dist
-from model import Target, TargetConfig, Drafter, DrafterConfig, sample_anchors
+from model import Target, TargetConfig, Drafter, DrafterConfig, sample_anchors, anchor_blocks
 from data import open_dataset, Packer, make_demo
 
 # -----------------------------------------------------------------------------
@@ -110,6 +110,9 @@ if world > 1:
                             device_id=device if cuda else None)
     drafter_ranks = [r for r in range(world) if r % local_world >= half]
     drafter_group = dist.new_group(drafter_ranks)
+    # log statistics travel on gloo (host memory): an NCCL collective on the world group would queue behind the
+    # drafter's pre-posted receive of the next row, whose send the target queues after that collective: deadlock
+    stats_group = dist.new_group(backend="gloo") if cuda else None
 master = rank == log_rank
 
 def print0(*a):
@@ -117,8 +120,8 @@ def print0(*a):
         print(*a, flush=True)
 
 def sync():
-    if cuda:
-        torch.cuda.synchronize()
+    if cuda:       # this stream only: a device-wide sync would also wait for the pre-posted receive of the next row
+        torch.cuda.current_stream(device).synchronize()
 
 # -----------------------------------------------------------------------------
 # data: the demo dataset is made on first use (the tiny target's own greedy continuations, data.py demo)
@@ -180,14 +183,14 @@ if is_drafter:
                                                    bwd_BLOCK_N1=64, bwd_BLOCK_M2=32, bwd_BLOCK_N2=32)
     autocast = torch.autocast("cuda", torch.bfloat16) if cuda else nullcontext()
 
-    def drafter_step(feats, meta, anchors, keep):
+    def drafter_step(feats, meta, anchors, keep, blocks):
         # BlockMask, forward, loss: one graph for train and one for eval, fixed shapes
         with autocast:
-            return drafter(feats, meta[0], meta[1], meta[2], meta[3], anchors, keep, embed, head, args.gamma, flex)
+            return drafter(feats, meta[0], meta[1], meta[2], meta[3], anchors, keep, embed, head, args.gamma, flex, blocks)
 
-    def eval_step(feats, meta, anchors, keep):
+    def eval_step(*a):
         with torch.no_grad():
-            return drafter_step(feats, meta, anchors, keep)
+            return drafter_step(*a)
 
     train_graph, eval_graph = drafter_step, eval_step
     if not args.no_compile:
@@ -196,11 +199,15 @@ if is_drafter:
         torch._dynamo.config.fail_on_recompile_limit_hit = True
         train_graph = torch.compile(drafter_step, fullgraph=True, dynamic=False)
         eval_graph = torch.compile(eval_step, fullgraph=True, dynamic=False)
-    # Anchors are sampled on device (a few kernels, no host sync) just before the graph and enter it as inputs:
-    # inductor's flex lowering fails on mask_mod tensors computed inside the same graph ("convert
-    # FlexibleLayout to FixedLayout first", torch 2.11).
-    train_fn = lambda feats, meta: train_graph(feats, meta, *sample_anchors(meta[1], meta[2], N))
-    eval_fn = lambda feats, meta: eval_graph(feats, meta, *sample_anchors(meta[1], meta[2], N))
+    # Anchors and the BlockMask's block lists are computed on device (a few eager kernels, no host sync) just
+    # before the graph and enter it as inputs: inductor's flex lowering fails on mask_mod tensors computed inside
+    # the same graph ("convert FlexibleLayout to FixedLayout first"), and a compiled create_block_mask takes
+    # minutes to compile its sort (torch 2.11; see anchor_blocks).
+    def draw(meta):
+        anchors, keep = sample_anchors(meta[1], meta[2], N)
+        return anchors, keep, (anchor_blocks(anchors, keep, meta[2], S, B) if cuda else None)
+    train_fn = lambda feats, meta: train_graph(feats, meta, *draw(meta))
+    eval_fn = lambda feats, meta: eval_graph(feats, meta, *draw(meta))
     if cuda:
         warnings.filterwarnings("error", message=".*flex_attention called without torch.compile.*")
 
@@ -249,10 +256,10 @@ def ms(a, b):
 
 def gather_stats(values):
     # one small all-reduce over every rank per log line: [world, k], each rank fills its own row
-    t = torch.zeros(world, len(values), device=device)
-    t[rank] = torch.tensor(values, device=device)
+    t = torch.zeros(world, len(values))
+    t[rank] = torch.tensor(values)
     if world > 1:
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=stats_group)
     return t
 
 # -----------------------------------------------------------------------------
@@ -444,11 +451,13 @@ for step, kind, r in schedule(start_step):
                 torch._dynamo.config.error_on_recompile = True  # warm: from now on a recompile is an error
         if prof:
             prof.__exit__(None, None, None)
-            fused = sorted({e.name for e in prof.events() if "flex_attention_backward" in e.name})
+            # inductor's kernels of the fused backward (the template and its delta pre-pass) carry the op's name;
+            # flex_attention outside a compiled graph runs the dense math backward and no such kernel
+            fused = sorted({e.name for e in prof.events() if "flex_attention_backward" in e.name}, key=lambda n: "_tem_" not in n)
             if not fused and not args.no_compile:
                 raise RuntimeError("the first step did not run the fused flex_attention backward kernel; refusing to "
                                    "train on the dense fallback (~17 GB per layer at 512 anchors / 8192 budget)")
-            print0(f"step {step}: fused flex_attention backward verified (profiler saw {fused[0] if fused else 'none'})")
+            print0(f"step {step}: fused flex_attention backward verified (profiler saw {', '.join(fused) or 'none'})")
             checked_fused = True
         acc += metrics(out, bad)
         gnorm_sum += gnorm.detach().nan_to_num(0.0)
