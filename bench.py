@@ -178,7 +178,7 @@ elif args.what == "drafter":
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    fused = sorted({e.name for e in prof.events() if "flex_attention_backward" in e.name})
+    fused = sorted({e.name for e in prof.events() if "flex_attention_backward" in e.name}, key=lambda n: "_tem_" not in n)
     torch.cuda.reset_peak_memory_stats()
     ms = bench_ms(step)
     anchors, keep = sample_anchors(lm, doc, N)
@@ -224,8 +224,8 @@ else:
             os.killpg(proc.pid, 9)      # torchrun and every rank it started
             print(f"{name}: killed after {args.timeout:.0f} s")
         lines = [json.loads(l) for l in open(os.path.join(log, "log.jsonl")) if '"train"' in l]
-        if lines:
-            recs[name] = lines[-1]
+        if lines:   # steady state: the last full log window after the one that compiled (the final one may be short)
+            recs[name] = lines[max(1, len(lines) - 2)] if len(lines) > 2 else lines[-1]
     peak = matmul_peak()
     tcfg = TargetConfig.preset("qwen3.6-27b")
     dcfg = DrafterConfig.from_target(tcfg, num_hidden_layers=args.drafter_layers)

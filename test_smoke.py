@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 import data
 import model
 from data import DataError, Packer, open_dataset, write_dataset
-from model import (Drafter, DrafterConfig, Target, TargetConfig, anchor_mask_mod, default_target_layer_ids,
+from model import (Drafter, DrafterConfig, Target, TargetConfig, anchor_blocks, anchor_mask_mod, default_target_layer_ids,
                    positions_from_cu, rope_cos_sin, sample_anchors, torch_chunk_gated_delta_rule)
 
 
@@ -671,6 +671,35 @@ def test_anchor_mask_matches_brute_force(B, N, seed):
     # flex also evaluates padded tiles past Q_LEN / KV_LEN: no out-of-range indexing there
     mm(0, 0, torch.arange(N * B + 2 * B)[:, None], torch.arange(S + N * B + 128)[None, :])
 
+
+
+@pytest.mark.parametrize("S,N,B,docs,p", [(8192, 512, 16, 4, 0.7), (700, 40, 16, 3, 0.9), (300, 37, 5, 2, 0.5),
+                                          (515, 64, 8, 5, 0.05), (129, 9, 16, 1, 1.0)])
+def test_anchor_blocks_match_create_block_mask(S, N, B, docs, p):
+    # the closed-form BlockMask the GPU step uses == flex's own create_block_mask over THE mask_mod: all 8 block
+    # lists, partial and full (a tile wrongly called full would skip the mask), rows/cols not multiples of 128
+    from torch.nn.attention.flex_attention import create_block_mask
+    g = torch.Generator().manual_seed(S)
+    cuts = torch.randperm(S - 1, generator=g)[:docs - 1] + 1
+    doc = (torch.arange(S)[:, None] >= cuts[None, :]).sum(1)
+    lm = (torch.rand(S, generator=g) < p).long()
+    torch.manual_seed(N)
+    anchors, keep = sample_anchors(lm, doc, N)
+    got = anchor_blocks(anchors, keep, doc, S, B)
+    ref = create_block_mask(anchor_mask_mod(anchors, keep, doc, S, B), None, None, N * B, S + N * B, device="cpu")
+    names = ["kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices",
+             "full_q_num_blocks", "full_q_indices"]
+    for name, g_ in zip(names, got):
+        r = getattr(ref, name)
+        assert g_.shape == r.shape and g_.dtype == r.dtype and torch.equal(g_, r), name
+    if S == 8192:   # the real shape has both kinds of tile, so both branches were exercised
+        assert got[0].sum() > 0 and got[2].sum() > 0
+    # by hand: contexts that end exactly on a tile edge (anchor 128) or are empty (anchor 256 starts a document)
+    doc = (torch.arange(400) >= 256).long()
+    anchors, keep = torch.tensor([128] * 8 + [256] * 7 + [0]), torch.tensor([True] * 15 + [False])
+    ref = create_block_mask(anchor_mask_mod(anchors, keep, doc, 400, 16), None, None, 256, 656, device="cpu")
+    for name, g_ in zip(names, anchor_blocks(anchors, keep, doc, 400, 16)):
+        assert torch.equal(g_, getattr(ref, name)), name
 
 # -----------------------------------------------------------------------------
 # 3. train/serve equivalence: the masked training forward == propose() with only the anchor's own past as context
