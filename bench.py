@@ -5,6 +5,7 @@ GPU checks and measurements (needs CUDA and fla-core; not part of the CPU test s
   python bench.py target --budget 8192       # qwen3.6-27b forward: ms, MFU, memory; full-attention kernels compared
   python bench.py drafter --anchors 512      # the 27B drafter's training step alone (train.py's step, random features):
                                              # compile time, ms, MFU, peak memory, fused flex backward seen
+  python bench.py sweep                      # the drafter step over anchors 128..1024 x budget 4096..16384
   python bench.py pair --anchors 512 --budget 8192 --steps 30
       # runs train.py itself: both roles in one process on GPU 0 (each role timed alone), then one pair on
       # GPUs 0-1 under torchrun; prints one table with MFU against the measured bf16 matmul peak
@@ -20,10 +21,10 @@ import time
 import numpy as np
 import torch
 import torch.nn.functional as F
-from model import Target, TargetConfig, Drafter, DrafterConfig, sample_anchors, anchor_mask_mod, anchor_blocks, positions_from_cu
+from model import Target, TargetConfig, Drafter, DrafterConfig, sample_anchors, anchor_blocks, positions_from_cu
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-p.add_argument("what", choices=["check", "target", "drafter", "pair"])
+p.add_argument("what", choices=["check", "target", "drafter", "sweep", "pair"])
 p.add_argument("--anchors", type=int, default=512, help="draft blocks per row")
 p.add_argument("--budget", type=int, default=8192, help="tokens per row")
 p.add_argument("--drafter-layers", type=int, default=5, help="drafter decoder layers")
@@ -146,7 +147,7 @@ elif args.what == "target":
         except Exception as e:
             print(f"  {name}: failed ({type(e).__name__}: {str(e)[:200]})")
 
-elif args.what == "drafter":
+elif args.what in ("drafter", "sweep"):
     peak = matmul_peak()
     tcfg = TargetConfig.preset("qwen3.6-27b")
     dcfg = DrafterConfig.from_target(tcfg, num_hidden_layers=args.drafter_layers)
@@ -154,40 +155,54 @@ elif args.what == "drafter":
     torch.manual_seed(0)
     d = Drafter(dcfg).to(dev)
     opt = torch.optim.AdamW(d.parameters(), lr=6e-4, weight_decay=0.0, fused=True)
-    S, N, B = args.budget, args.anchors, dcfg.block_size
-    cu = row_cu(S, args.docs)
-    doc, pos = torch.repeat_interleave(torch.arange(len(cu) - 1), cu.diff()).to(dev), positions_from_cu(cu).to(dev)
-    tokens = torch.randint(0, 248000, (S,), device=dev)
-    lm = (torch.rand(S, device=dev) < 0.7).long()
-    feats = torch.randn(S, len(dcfg.target_layer_ids) * tcfg.hidden_size, device=dev, dtype=torch.bfloat16)
-    def graph(anchors, keep, blocks):      # as train.py's drafter_step
-        with torch.autocast("cuda", torch.bfloat16):
-            return d(feats, tokens, lm, doc, pos, anchors, keep, tgt.embed_tokens.weight, tgt.lm_head.weight, 7.0, {}, blocks)
-    graph = torch.compile(graph, fullgraph=True, dynamic=False)
-    def step():
-        anchors, keep = sample_anchors(lm, doc, N)
-        out = graph(anchors, keep, anchor_blocks(anchors, keep, doc, S, B))
-        out["loss"].backward()
-        torch.nn.utils.clip_grad_norm_(d.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    t0 = time.time()
-    step()
-    torch.cuda.synchronize()
-    print(f"first step (compile) {time.time() - t0:.0f} s", flush=True)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    B = dcfg.block_size
+
+    def drafter_bench(N, S):
+        """train.py's drafter step alone at one shape: compile s, ms, TFLOP, peak GiB, fused-backward kernel"""
+        torch._dynamo.reset()                       # every shape compiles its own graph
+        cu = row_cu(S, max(2, S // 2048))
+        doc, pos = torch.repeat_interleave(torch.arange(len(cu) - 1), cu.diff()).to(dev), positions_from_cu(cu).to(dev)
+        tokens = torch.randint(0, 248000, (S,), device=dev)
+        lm = (torch.rand(S, device=dev) < 0.7).long()
+        feats = torch.randn(S, len(dcfg.target_layer_ids) * tcfg.hidden_size, device=dev, dtype=torch.bfloat16)
+        def graph(anchors, keep, blocks):      # as train.py's drafter_step
+            with torch.autocast("cuda", torch.bfloat16):
+                return d(feats, tokens, lm, doc, pos, anchors, keep, tgt.embed_tokens.weight, tgt.lm_head.weight, 7.0, {}, blocks)
+        graph = torch.compile(graph, fullgraph=True, dynamic=False)
+        def step():
+            anchors, keep = sample_anchors(lm, doc, N)
+            out = graph(anchors, keep, anchor_blocks(anchors, keep, doc, S, B))
+            out["loss"].backward()
+            torch.nn.utils.clip_grad_norm_(d.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        t0 = time.time()
         step()
         torch.cuda.synchronize()
-    fused = sorted({e.name for e in prof.events() if "flex_attention_backward" in e.name}, key=lambda n: "_tem_" not in n)
-    torch.cuda.reset_peak_memory_stats()
-    ms = bench_ms(step)
-    anchors, keep = sample_anchors(lm, doc, N)
-    vis = anchor_mask_mod(anchors, keep, doc, S, B)(0, 0, torch.arange(N * B, device=dev)[:, None],
-                                                    torch.arange(S + N * B, device=dev)[None, :]).sum().item()
-    fl = d.flops(S, N) + 3 * dcfg.num_hidden_layers * 4 * dcfg.num_attention_heads * dcfg.head_dim * vis
-    print(f"drafter step, {N} anchors / {S} budget / {args.drafter_layers} layers: {ms:.0f} ms, {fl / 1e12:.0f} TFLOP, "
-          f"MFU {fl / (ms * 1e-3) / peak:.1%} (matmul peak {peak / 1e12:.0f} TFLOP/s), peak mem "
-          f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB, fused flex backward: {fused[0] if fused else 'NOT SEEN'}")
+        compile_s = time.time() - t0
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        fused = sorted({e.name for e in prof.events() if "flex_attention_backward" in e.name}, key=lambda n: "_tem_" not in n)
+        torch.cuda.reset_peak_memory_stats()
+        ms = bench_ms(step)
+        anchors, keep = sample_anchors(lm, doc, N)
+        vis = B * ((pos[anchors] + B) * keep).sum().item()   # visible (query, key) pairs: own past + own block
+        fl = d.flops(S, N) + 3 * dcfg.num_hidden_layers * 4 * dcfg.num_attention_heads * dcfg.head_dim * vis
+        return compile_s, ms, fl, torch.cuda.max_memory_allocated() / 2**30, fused[0] if fused else "NOT SEEN"
+
+    grid = ([(args.anchors, args.budget)] if args.what == "drafter" else
+            [(n, s) for s in (4096, 8192, 16384) for n in (128, 256, 512, 1024)])
+    print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | matmul peak {peak / 1e12:.0f} TFLOP/s | "
+          f"drafter layers {args.drafter_layers} | {time.strftime('%Y-%m-%d')}")
+    print("| anchors | budget | compile s | step ms | TFLOP | MFU | peak GiB | fused flex backward |\n|---|---|---|---|---|---|---|---|")
+    for N, S in grid:
+        try:
+            c, ms, fl, mem, fused = drafter_bench(N, S)
+            print(f"| {N} | {S} | {c:.0f} | {ms:.0f} | {fl / 1e12:.0f} | {fl / (ms * 1e-3) / peak:.1%} | {mem:.1f} | {fused} |", flush=True)
+        except torch.OutOfMemoryError:
+            print(f"| {N} | {S} | out of memory |", flush=True)
+            torch.cuda.empty_cache()
 
 else:
     # synthetic data with the real shapes: documents of 1-3K tokens, loss on the second half of each
@@ -236,10 +251,9 @@ else:
     # attention FLOPs of the drafter depend on the mask: count the visible (query, key) pairs of a typical row
     S, N, B = args.budget, args.anchors, dcfg.block_size
     doc = torch.repeat_interleave(torch.arange(len(cu) - 1), cu.diff()).to(dev)
-    lm = torch.ones(S, dtype=torch.long, device=dev)
+    lm, pos = torch.ones(S, dtype=torch.long, device=dev), positions_from_cu(cu).to(dev)
     anchors, keep = sample_anchors(lm, doc, N)
-    vis = anchor_mask_mod(anchors, keep, doc, S, B)(0, 0, torch.arange(N * B, device=dev)[:, None],
-                                                    torch.arange(S + N * B, device=dev)[None, :]).sum().item()
+    vis = B * ((pos[anchors] + B) * keep).sum().item()
     dfl = dmeta.flops(S, N) + 3 * dcfg.num_hidden_layers * 4 * dcfg.num_attention_heads * dcfg.head_dim * vis
     r1, r2 = recs.get("roles (1 GPU, both roles)"), recs.get("pair (2 GPUs)")
     print(f"\n{torch.cuda.get_device_name()} | torch {torch.__version__} | matmul peak {peak / 1e12:.0f} TFLOP/s | "
