@@ -31,7 +31,7 @@ p.add_argument("--drafter-layers", type=int, default=5, help="drafter decoder la
 p.add_argument("--steps", type=int, default=30, help="training steps per train.py run (the last 10 are timed)")
 p.add_argument("--timeout", type=float, default=600, help="seconds allowed for each train.py run")
 p.add_argument("--runs", default="one,pair", help="pair mode: which train.py runs (one: 1 GPU both roles; pair: 2 GPUs)")
-p.add_argument("--docs", type=int, default=4, help="documents per row in the synthetic data")
+p.add_argument("--docs", type=int, default=4, help="documents per row (target mode)")
 p.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "dflash-bench"), help="scratch dir")
 args = p.parse_args()
 dev = torch.device("cuda")
@@ -61,6 +61,10 @@ def row_cu(S, docs):
     cuts = np.sort(np.random.default_rng(0).choice(np.arange(64, S - 64), docs - 1, replace=False))
     return torch.tensor([0, *cuts, S])
 
+def doc_pos(cu):
+    # boundaries -> (document id, position in document) per token, on the GPU, as a packed row carries them
+    return torch.repeat_interleave(torch.arange(len(cu) - 1), cu.diff()).to(dev), positions_from_cu(cu).to(dev)
+
 if args.what == "check":
     # 1) the fla-core path (bf16) against the plain-torch path (fp32) on a packed row, real head shapes
     cfg = TargetConfig(vocab_size=1024, hidden_size=1024, intermediate_size=2048, num_hidden_layers=4,
@@ -80,8 +84,7 @@ if args.what == "check":
     S, N = 512, 24
     cu = torch.tensor([0, 100, 260, 400, 512])
     tokens = torch.randint(1, 500, (S,), device=dev)
-    doc = torch.repeat_interleave(torch.arange(4), cu.diff()).to(dev)
-    pos = positions_from_cu(cu).to(dev)
+    doc, pos = doc_pos(cu)
     lm = (torch.rand(S, device=dev) < 0.8).long()
     feats = torch.randn(S, 3 * 64, device=dev)
     tgt = Target.build(tcfg, device=dev)
@@ -127,7 +130,7 @@ elif args.what == "target":
         for s, e in zip(cl[:-1], cl[1:]):
             F.scaled_dot_product_attention(q[:, s:e], kk[:, s:e], vv[:, s:e], is_causal=True, enable_gqa=gqa)
     from torch.nn.attention.flex_attention import flex_attention, create_block_mask
-    doc = torch.repeat_interleave(torch.arange(len(cl) - 1), cu.diff()).to(dev)
+    doc = doc_pos(cu)[0]
     bm = create_block_mask(lambda b, h, qi, ki: (doc[qi] == doc[ki]) & (ki <= qi), None, None, T, T, device=dev)
     flex = torch.compile(flex_attention)
     cands = {"SDPA per document, enable_gqa": lambda: per_doc(True), "SDPA per document, K/V repeated": lambda: per_doc(False),
@@ -161,7 +164,7 @@ elif args.what in ("drafter", "sweep"):
         """train.py's drafter step alone at one shape: compile s, ms, TFLOP, peak GiB, fused-backward kernel"""
         torch._dynamo.reset()                       # every shape compiles its own graph
         cu = row_cu(S, max(2, S // 2048))
-        doc, pos = torch.repeat_interleave(torch.arange(len(cu) - 1), cu.diff()).to(dev), positions_from_cu(cu).to(dev)
+        doc, pos = doc_pos(cu)
         tokens = torch.randint(0, 248000, (S,), device=dev)
         lm = (torch.rand(S, device=dev) < 0.7).long()
         feats = torch.randn(S, len(dcfg.target_layer_ids) * tcfg.hidden_size, device=dev, dtype=torch.bfloat16)
@@ -250,8 +253,8 @@ else:
     tfl = tmeta.flops(cu, max(dcfg.target_layer_ids) + 1)
     # attention FLOPs of the drafter depend on the mask: count the visible (query, key) pairs of a typical row
     S, N, B = args.budget, args.anchors, dcfg.block_size
-    doc = torch.repeat_interleave(torch.arange(len(cu) - 1), cu.diff()).to(dev)
-    lm, pos = torch.ones(S, dtype=torch.long, device=dev), positions_from_cu(cu).to(dev)
+    doc, pos = doc_pos(cu)
+    lm = torch.ones(S, dtype=torch.long, device=dev)
     anchors, keep = sample_anchors(lm, doc, N)
     vis = B * ((pos[anchors] + B) * keep).sum().item()
     dfl = dmeta.flops(S, N) + 3 * dcfg.num_hidden_layers * 4 * dcfg.num_attention_heads * dcfg.head_dim * vis

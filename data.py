@@ -243,17 +243,6 @@ class Packer:
         self._plan()
         return n
 
-    def state_dict(self):
-        return {"epoch": self.epoch, "step": self.step, "seed": self.seed}
-
-    def load_state_dict(self, d):
-        # the saved seed wins over the constructor's: resuming must replay exactly the same order
-        self.epoch, self.step, self.seed = int(d["epoch"]), int(d["step"]), int(d["seed"])
-        self._plan()
-        if self.step > self.steps_per_epoch:
-            raise DataError(f"packer state is at step {self.step} of an epoch that has only {self.steps_per_epoch} steps: "
-                            "was the checkpoint made with another dataset, --budget or number of target ranks?")
-
 # -----------------------------------------------------------------------------
 # prepare: JSONL -> DIR/train (+ DIR/val), streaming, with every bad line reported by number
 

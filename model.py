@@ -545,8 +545,8 @@ def anchor_blocks(anchors, keep, doc, S, B, tile=128):
     k0 = torch.arange(0, KV, tile, device=dev)[None, :]                  # first key of each kv tile
     k1 = k0 + tile
     hit = kp & real & ((lo.maximum(k0) < hi.minimum(k1)) | (blo.maximum(k0) < (blo + B).minimum(k1)))
-    cs, ce, bs = k0, k1.clamp(max=S), k0.clamp(min=S)                    # tile split at S: context part, block part
-    full = kp & real & ((cs >= ce) | ((lo <= cs) & (ce <= hi))) & ((bs >= k1) | ((blo <= bs) & (k1 <= blo + B)))
+    ce, bs = k1.clamp(max=S), k0.clamp(min=S)       # a tile is [k0, ce) of context then [bs, k1) of blocks
+    full = kp & real & ((k0 >= ce) | ((lo <= k0) & (ce <= hi))) & ((bs >= k1) | ((blo <= bs) & (k1 <= blo + B)))
     R = hit.shape[0] // tile
     hit = hit.view(R, tile, -1).any(1)                                   # [q tiles, kv tiles]
     full = full.view(R, tile, -1).all(1)
@@ -611,7 +611,7 @@ class Drafter(nn.Module):
         """Masked training forward over one packed row. feats [S, n*H], tokens/loss_mask/doc/pos [S],
         anchors/keep [N] from sample_anchors, embed/head the target's frozen weights [V, H].
         flex: None -> dense boolean mask + SDPA (CPU); else a dict of flex_attention kernel options (GPU), with
-        blocks = anchor_blocks(...) (computed here when None; pass it in when compiling, see anchor_blocks).
+        blocks = anchor_blocks(...) computed before the compiled graph (see anchor_blocks for why).
         Returns a dict of device tensors: loss and the sums behind acceptance / per-slot accuracy."""
         c, S, N, B = self.config, tokens.shape[0], anchors.shape[0], self.config.block_size
         k = torch.arange(B, device=tokens.device)
@@ -628,7 +628,6 @@ class Drafter(nn.Module):
                 return o.masked_fill(~allowed.any(-1)[:, None], 0.0)   # padded slots: zeros, as flex gives
         else:
             from torch.nn.attention.flex_attention import BlockMask, flex_attention
-            blocks = anchor_blocks(anchors, keep, doc, S, B) if blocks is None else blocks
             bm = BlockMask((N * B, S + N * B), *blocks, BLOCK_SIZE=(128, 128), mask_mod=mask_mod)
             def attend(q, k_, v):
                 return flex_attention(q, k_, v, block_mask=bm, enable_gqa=True, kernel_options=flex or None)
