@@ -5,7 +5,7 @@ GPU checks and measurements (needs CUDA and fla-core; not part of the CPU test s
   python bench.py target --budget 8192       # qwen3.6-27b forward: ms, MFU, memory; full-attention kernels compared
   python bench.py drafter --anchors 512      # the 27B drafter's training step alone (train.py's step, random features):
                                              # compile time, ms, MFU, peak memory, fused flex backward seen
-  python bench.py sweep                      # the drafter step over anchors 128..1024 x budget 4096..16384
+  python bench.py sweep                      # the drafter step over anchors 128..1024 x budget 4096..16384 (--shapes)
   python bench.py pair --anchors 512 --budget 8192 --steps 30
       # runs train.py itself: both roles in one process on GPU 0 (each role timed alone), then one pair on
       # GPUs 0-1 under torchrun; prints one table with MFU against the measured bf16 matmul peak
@@ -31,6 +31,8 @@ p.add_argument("--drafter-layers", type=int, default=5, help="drafter decoder la
 p.add_argument("--steps", type=int, default=30, help="training steps per train.py run (the last 10 are timed)")
 p.add_argument("--timeout", type=float, default=600, help="seconds allowed for each train.py run")
 p.add_argument("--runs", default="one,pair", help="pair mode: which train.py runs (one: 1 GPU both roles; pair: 2 GPUs)")
+p.add_argument("--shapes", default=",".join(f"{n}x{s}" for s in (4096, 8192, 16384) for n in (128, 256, 512, 1024)),
+               help="sweep mode: anchors x budget (tokens) pairs, comma-separated")
 p.add_argument("--docs", type=int, default=4, help="documents per row (target mode)")
 p.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "dflash-bench"), help="scratch dir")
 args = p.parse_args()
@@ -195,7 +197,7 @@ elif args.what in ("drafter", "sweep"):
         return compile_s, ms, fl, torch.cuda.max_memory_allocated() / 2**30, fused[0] if fused else "NOT SEEN"
 
     grid = ([(args.anchors, args.budget)] if args.what == "drafter" else
-            [(n, s) for s in (4096, 8192, 16384) for n in (128, 256, 512, 1024)])
+            [tuple(map(int, x.split("x"))) for x in args.shapes.split(",")])
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | matmul peak {peak / 1e12:.0f} TFLOP/s | "
           f"drafter layers {args.drafter_layers} | {time.strftime('%Y-%m-%d')}")
     print("| anchors | budget | compile s | step ms | TFLOP | MFU | peak GiB | fused flex backward |\n|---|---|---|---|---|---|---|---|")

@@ -553,7 +553,9 @@ def anchor_blocks(anchors, keep, doc, S, B, tile=128):
     part = hit & ~full
     def ordered(dense):   # as flex's own: block count per row, indices of the set blocks first, ascending
         idx = torch.argsort(dense.to(torch.int32), dim=-1, descending=True, stable=True)
-        return dense.sum(-1).to(torch.int32)[None, None], idx.to(torch.int32)[None, None]
+        # contiguous: argsort of the transpose keeps transposed strides, and the compiled flex backward (torch
+        # 2.11, H200) read such q lists as if row-major: right loss, wrong dK/dV (grads 60% off)
+        return dense.sum(-1).to(torch.int32)[None, None], idx.to(torch.int32).contiguous()[None, None]
     return (*ordered(part), *ordered(full), *ordered(part.t()), *ordered(full.t()))
 
 class _WeightedCE(torch.autograd.Function):

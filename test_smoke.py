@@ -691,7 +691,8 @@ def test_anchor_blocks_match_create_block_mask(S, N, B, docs, p):
              "full_q_num_blocks", "full_q_indices"]
     for name, g_ in zip(names, got):
         r = getattr(ref, name)
-        assert g_.shape == r.shape and g_.dtype == r.dtype and torch.equal(g_, r), name
+        # strides too: the compiled flex backward reads the lists as laid out by create_block_mask
+        assert g_.shape == r.shape and g_.dtype == r.dtype and g_.stride() == r.stride() and torch.equal(g_, r), name
     if S == 8192:   # the real shape has both kinds of tile, so both branches were exercised
         assert got[0].sum() > 0 and got[2].sum() > 0
     # by hand: contexts that end exactly on a tile edge (anchor 128) or are empty (anchor 256 starts a document)
@@ -699,7 +700,7 @@ def test_anchor_blocks_match_create_block_mask(S, N, B, docs, p):
     anchors, keep = torch.tensor([128] * 8 + [256] * 7 + [0]), torch.tensor([True] * 15 + [False])
     ref = create_block_mask(anchor_mask_mod(anchors, keep, doc, 400, 16), None, None, 256, 656, device="cpu")
     for name, g_ in zip(names, anchor_blocks(anchors, keep, doc, 400, 16)):
-        assert torch.equal(g_, getattr(ref, name)), name
+        assert torch.equal(g_, getattr(ref, name)) and g_.stride() == getattr(ref, name).stride(), name
 
 # -----------------------------------------------------------------------------
 # 3. train/serve equivalence: the masked training forward == propose() with only the anchor's own past as context
