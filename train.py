@@ -359,8 +359,8 @@ def next_row(kind, r):
             tfwd.append((m0, mark()))
         return feats.clone(), row_meta(row)      # a clone: autograd cannot save tensors made in inference mode
     # The receive is posted only now, queued behind the previous step: one posted earlier keeps an NCCL kernel
-    # resident on this GPU's SMs through the whole step (measured on H200: drafter step 306 ms instead of 244 ms). The
-    # target queued its send when its forward ended, so the row lands as soon as the step does.
+    # resident on this GPU's SMs through the whole step (H200: drafter step 306 ms instead of 244 ms). The target
+    # queued its send when its forward ended, so the row lands as soon as the step does.
     for w in dist.batch_isend_irecv([dist.P2POp(dist.irecv, t_, peer) for t_ in buf]):
         w.wait()
     return buf
