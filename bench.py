@@ -273,6 +273,7 @@ else:
         print(f"| pair step | {step:.0f} ms, {r2['tok_s']:.0f} context tok/s per pair |")
         print(f"| pair: target fwd / drafter wait / drafter step | {r2['ms_target']:.0f} / {r2['ms_wait']:.0f} / {r2['ms_drafter']:.0f} ms |")
         print(f"| peak mem target GPU / drafter GPU | {r2['mem_gib'][0]:.1f} / {r2['mem_gib'][1]:.1f} GiB |")
+        print(f"| compiled graphs on the drafter rank (train + eval; a recompile is an error) | {r2.get('graphs')} |")
         if r1:
             print(f"| pair step / slower role alone | {step / max(r1['ms_target'], r1['ms_drafter']):.2f} |")
     print(f"| FLOPs per step: target fwd / drafter fwd+bwd | {tfl / 1e12:.0f} / {dfl / 1e12:.0f} TFLOP |")

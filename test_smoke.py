@@ -1624,6 +1624,7 @@ def test_torchrun_pairs_gloo(tmp_path, nproc):
     assert float(out.split("max abs diff ")[1].split()[0]) == 0.0
     train = [r for r in log if r["kind"] == "train"]
     assert len(train) == 2 and all(math.isfinite(r["loss"]) for r in train) and len(train[-1]["mem_gib"]) == nproc
+    assert all(r["graphs"] == 2 for r in train), [r["graphs"] for r in train]    # one train + one eval graph
 
 
 def test_resume_continues_exactly(tmp_path):

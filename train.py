@@ -474,7 +474,8 @@ for step, kind, r in schedule(start_step):
                 sys.exit(f"error: {int(a[3])} of the last {n} steps were non-finite; stopping. Lower --lr or check the data")
         rec = dict(kind="train", step=step + 1, epoch=(step + 1) / steps_per_epoch, loss=a[0] / (n * n_pairs),
                    accept=a[1] / max(a[2], 1), lr=lr_at(step), gnorm=gnorm_sum.item() / n, tok_s=n * S * n_pairs / dt,
-                   ms_target=st[:, 0].max().item(), ms_wait=wait, ms_drafter=dstep, mem_gib=st[:, 1].tolist())
+                   ms_target=st[:, 0].max().item(), ms_wait=wait, ms_drafter=dstep, mem_gib=st[:, 1].tolist(),
+                   graphs=torch._dynamo.utils.counters["stats"]["unique_graphs"])   # compiled on this rank, so far
         log(rec, f"step {rec['step']}/{max_steps} | ep {rec['epoch']:.2f} | loss {rec['loss']:.4f} | accept "
                  f"{rec['accept']:.3f} | lr {rec['lr']:.2e} | gnorm {rec['gnorm']:.2f} | {rec['tok_s']:.0f} tok/s | "
                  f"ms target {rec['ms_target']:.0f} wait {wait:.0f} drafter {dstep:.0f} | "
