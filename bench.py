@@ -63,6 +63,11 @@ def row_cu(S, docs):
     cuts = np.sort(np.random.default_rng(0).choice(np.arange(64, S - 64), docs - 1, replace=False))
     return torch.tensor([0, *cuts, S])
 
+def visible(pos, anchors, keep, B):
+    # (query, key) pairs the anchor mask lets through, for the drafter's attention FLOPs: each of an anchor's B
+    # rows sees its document's past (pos[anchor] keys) and its own block (B keys)
+    return B * ((pos[anchors] + B) * keep).sum().item()
+
 def doc_pos(cu):
     # boundaries -> (document id, position in document) per token, on the GPU, as a packed row carries them
     return torch.repeat_interleave(torch.arange(len(cu) - 1), cu.diff()).to(dev), positions_from_cu(cu).to(dev)
@@ -191,9 +196,7 @@ elif args.what in ("drafter", "sweep"):
         fused = sorted({e.name for e in prof.events() if "flex_attention_backward" in e.name}, key=lambda n: "_tem_" not in n)
         torch.cuda.reset_peak_memory_stats()
         ms = bench_ms(step)
-        anchors, keep = sample_anchors(lm, doc, N)
-        vis = B * ((pos[anchors] + B) * keep).sum().item()   # visible (query, key) pairs: own past + own block
-        fl = d.flops(S, N) + 3 * dcfg.num_hidden_layers * 4 * dcfg.num_attention_heads * dcfg.head_dim * vis
+        fl = d.flops(S, N, visible(pos, *sample_anchors(lm, doc, N), B))
         return compile_s, ms, fl, torch.cuda.max_memory_allocated() / 2**30, fused[0] if fused else "NOT SEEN"
 
     grid = ([(args.anchors, args.budget)] if args.what == "drafter" else
@@ -224,16 +227,16 @@ else:
     common = ["train.py", "--target", "qwen3.6-27b", "--data", data, "--anchors", str(args.anchors), "--budget",
               str(args.budget), "--drafter-layers", str(args.drafter_layers), "--max-steps", str(args.steps),
               "--log-interval", str(max(1, args.steps // 3)), "--eval-interval", "100000", "--save-interval", "100000", "--eval-rows", "1"]
-    runs = {"roles (1 GPU, both roles)": [sys.executable] + common + ["--out", os.path.join(args.out, "one")],
-            "pair (2 GPUs)": ["torchrun", "--nproc_per_node=2"] + common + ["--out", os.path.join(args.out, "pair")]}
+    runs = {"one": [sys.executable] + common, "pair": ["torchrun", "--nproc_per_node=2"] + common}
     recs = {}
-    for name, cmd in runs.items():
-        if name.split()[0].replace("roles", "one") not in args.runs.split(","):
-            continue
-        if torch.cuda.device_count() < 2 and "pair" in name:
+    for name in args.runs.split(","):
+        if name not in runs:
+            sys.exit(f"error: --runs {args.runs}: each run is one (1 GPU, both roles) or pair (2 GPUs)")
+        if name == "pair" and torch.cuda.device_count() < 2:
             print("one GPU only: pair not run")
             continue
-        log = cmd[cmd.index("--out") + 1]
+        log = os.path.join(args.out, name)
+        cmd = runs[name] + ["--out", log]
         if os.path.exists(os.path.join(log, "log.jsonl")):
             os.remove(os.path.join(log, "log.jsonl"))
         print("$ " + " ".join(cmd), flush=True)
@@ -243,7 +246,8 @@ else:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, 9)      # torchrun and every rank it started
             print(f"{name}: killed after {args.timeout:.0f} s")
-        lines = [json.loads(l) for l in open(os.path.join(log, "log.jsonl")) if '"train"' in l]
+        path = os.path.join(log, "log.jsonl")     # absent if the run died before its first log line
+        lines = [json.loads(l) for l in open(path) if '"train"' in l] if os.path.exists(path) else []
         if lines:   # steady state: the last full log window after the one that compiled (the final one may be short)
             recs[name] = lines[max(1, len(lines) - 2)] if len(lines) > 2 else lines[-1]
     peak = matmul_peak()
@@ -253,14 +257,10 @@ else:
         tmeta, dmeta = Target(tcfg, n_layers=max(dcfg.target_layer_ids) + 1, head=False), Drafter(dcfg)
     cu = row_cu(args.budget, max(2, args.budget // 2048))
     tfl = tmeta.flops(cu, max(dcfg.target_layer_ids) + 1)
-    # attention FLOPs of the drafter depend on the mask: count the visible (query, key) pairs of a typical row
-    S, N, B = args.budget, args.anchors, dcfg.block_size
+    S, N = args.budget, args.anchors
     doc, pos = doc_pos(cu)
-    lm = torch.ones(S, dtype=torch.long, device=dev)
-    anchors, keep = sample_anchors(lm, doc, N)
-    vis = B * ((pos[anchors] + B) * keep).sum().item()
-    dfl = dmeta.flops(S, N) + 3 * dcfg.num_hidden_layers * 4 * dcfg.num_attention_heads * dcfg.head_dim * vis
-    r1, r2 = recs.get("roles (1 GPU, both roles)"), recs.get("pair (2 GPUs)")
+    dfl = dmeta.flops(S, N, visible(pos, *sample_anchors(torch.ones(S, dtype=torch.long, device=dev), doc, N), dcfg.block_size))
+    r1, r2 = recs.get("one"), recs.get("pair")
     print(f"\n{torch.cuda.get_device_name()} | torch {torch.__version__} | matmul peak {peak / 1e12:.0f} TFLOP/s | "
           f"anchors {N} budget {S} drafter layers {args.drafter_layers} | {time.strftime('%Y-%m-%d')}")
     print("| measure | value |\n|---|---|")

@@ -448,9 +448,10 @@ def main(argv=None):
     p.add_argument("--force", action="store_true", help="overwrite existing DIR/train and DIR/val")
     d = sub.add_parser("demo", help="the tiny target's greedy continuations of random prompts -> DIR/train, DIR/val")
     d.add_argument("--out", default="data/demo", help="output directory (default data/demo)")
-    d.add_argument("--samples", type=int, default=96, help="training samples (default 96; ~0.15 s each on a CPU core)")
-    d.add_argument("--val-samples", type=int, default=16, help="held-out samples (default 16)")
-    d.add_argument("--new-tokens", type=int, default=32, help="greedy tokens per sample, all supervised (default 32)")
+    dflt = make_demo.__defaults__     # the same demo train.py builds on first use, into the same data/demo
+    d.add_argument("--samples", type=int, default=dflt[0], help=f"training samples (default {dflt[0]})")
+    d.add_argument("--val-samples", type=int, default=dflt[1], help=f"held-out samples (default {dflt[1]})")
+    d.add_argument("--new-tokens", type=int, default=dflt[2], help=f"greedy tokens per sample, all supervised (default {dflt[2]})")
     d.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     d.add_argument("--force", action="store_true", help="overwrite an existing demo")
     args = ap.parse_args(argv)
@@ -466,9 +467,9 @@ if __name__ == "__main__":
     main()
 
 # What to expect (2-core CPU, torch 2.13, Nov 2026):
-#   python data.py demo --out data/demo   ~15 s; train: 96 samples, 4609 tokens (3072 supervised),
-#                                         val: 16 samples, 804 tokens (512 supervised), vocab bound 512
+#   python data.py demo --out data/demo   ~40 s; train: 384 samples, 24559 tokens (18432 supervised),
+#                                         val: 32 samples, 2037 tokens (1536 supervised), vocab bound 512
 #   python data.py prepare ...            ~5M tokens/s for pretokenized lines; peak RSS stays ~3 MB over the
-#                                         bare imports at 1M-16M tokens (test_data_part.py measures it)
+#                                         bare imports at 1M-16M tokens (test_smoke.py measures it)
 #   sizes on disk: tokens.bin 4 B/token, loss_mask.bin 1 B/token, offsets.bin 8 B/sample, so a 1B-token
 #   corpus of 1M samples is 4 GB + 1 GB + 8 MB, memory-mapped, never read whole

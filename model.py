@@ -659,15 +659,17 @@ class Drafter(nn.Module):
         logits = (h[1:] @ head.t()).float()
         return logits.argmax(-1), logits
 
-    def flops(self, S, N):
-        """Matmul FLOPs of one training step (fwd + bwd) at S context tokens and N anchors, dense-equivalent
-        attention over the visible keys not counted (the anchor mask makes it data dependent; see bench.py)."""
+    def flops(self, S, N, visible=0):
+        """Matmul FLOPs of one training step (fwd + bwd) at S context tokens and N anchors. visible: the (query,
+        key) pairs the anchor mask lets through, for the attention FLOPs (data dependent; 0 leaves them out)."""
         c, Q = self.config, N * self.config.block_size
         per_layer_q = c.hidden_size * (2 * c.num_attention_heads * c.head_dim + 3 * c.intermediate_size)  # q, o, MLP
         kv = 2 * c.hidden_size * c.num_key_value_heads * c.head_dim
-        fwd = 2 * (c.num_hidden_layers * (Q * per_layer_q + (S + Q) * kv) + S * self.fc.in_features * c.hidden_size)
+        fwd = 2 * c.num_hidden_layers * (Q * per_layer_q + (S + Q) * kv)
+        attn = 4 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * visible       # QK^T and PV
+        fc = 2 * S * self.fc.in_features * c.hidden_size        # its input needs no gradient: fwd + dW only
         head = 2 * Q * c.vocab_size * c.hidden_size
-        return 3 * fwd + 2 * head           # trainable GEMMs: fwd + 2x bwd; frozen head: logits + dh
+        return 3 * (fwd + attn) + 2 * fc + 2 * head     # trainable GEMMs: fwd + 2x bwd; frozen head: logits + dh
 
     def save_pretrained(self, out_dir):
         """z-lab format: config.json + model.safetensors (bf16, keys without a `model.` prefix)."""

@@ -1006,6 +1006,19 @@ def test_weighted_ce_matches_autograd(chunk):
     assert torch.equal(pred, logits.argmax(-1)) and not pred.requires_grad
 
 
+def test_drafter_flops_count_every_matmul(setup3):
+    # Drafter.flops, bench.py's MFU numerator, == the GEMM FLOPs torch's FlopCounterMode sees in a real step
+    # (fwd + bwd). CPU SDPA is not among the counted ops, so visible=0 leaves attention out on both sides.
+    from torch.utils.flop_counter import FlopCounterMode
+    t, d, rows = setup3
+    d, r = copy.deepcopy(d), rows[1]
+    with FlopCounterMode(display=False) as fc:
+        out = d(r["feats"], r["tokens"], r["loss_mask"], r["doc"], r["pos"], r["anchors"], r["keep"],
+                t.embed_tokens.weight, t.lm_head.weight)
+        out["loss"].backward()
+    assert fc.get_flop_counts()["Global"][torch.ops.aten.mm] == d.flops(r["S"], len(r["anchors"]))
+
+
 # -----------------------------------------------------------------------------
 # 6. anchor sampling
 
