@@ -21,7 +21,8 @@ import time
 import numpy as np
 import torch
 import torch.nn.functional as F
-from model import Target, TargetConfig, Drafter, DrafterConfig, sample_anchors, anchor_blocks, positions_from_cu
+from target import Target, TargetConfig, positions_from_cu
+from model import Drafter, DrafterConfig, sample_anchors, anchor_blocks, flex_backward_kernels
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("what", choices=["check", "target", "drafter", "sweep", "pair"])
@@ -149,7 +150,7 @@ elif args.what == "target":
         qv = q.transpose(0, 1).contiguous()
         kv_, vv = (t.repeat_interleave(nh // nkv, 0).transpose(0, 1).contiguous() for t in (k, v))
         cands["varlen_attn, K/V repeated"] = lambda: varlen_attn(qv, kv_, vv, cu32, cu32, mx, mx, window_size=(-1, 0))
-    except Exception as e:      # signature differs across torch releases (reference/target.md section 6)
+    except Exception as e:      # varlen_attn's signature differs across torch releases
         print(f"varlen_attn not measured: {type(e).__name__}: {e}")
     for name, fn in cands.items():
         try:
@@ -193,11 +194,11 @@ elif args.what in ("drafter", "sweep"):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             step()
             torch.cuda.synchronize()
-        fused = sorted({e.name for e in prof.events() if "flex_attention_backward" in e.name}, key=lambda n: "_tem_" not in n)
+        kernels, fused = flex_backward_kernels(prof)
         torch.cuda.reset_peak_memory_stats()
         ms = bench_ms(step)
         fl = d.flops(S, N, visible(pos, *sample_anchors(lm, doc, N), B))
-        return compile_s, ms, fl, torch.cuda.max_memory_allocated() / 2**30, fused[0] if fused else "NOT SEEN"
+        return compile_s, ms, fl, torch.cuda.max_memory_allocated() / 2**30, kernels[0] if fused else "NOT SEEN"
 
     grid = ([(args.anchors, args.budget)] if args.what == "drafter" else
             [tuple(map(int, x.split("x"))) for x in args.shapes.split(",")])

@@ -207,9 +207,9 @@ class Packer:
         r = self.shard + self.step * self.n_shards
         self.step += 1
         idx = self._order[self._starts[r]:self._starts[r + 1]] if r + 1 < len(self._starts) else self._order[:0]
-        B = self.budget
-        tokens, mask = np.zeros(B, np.int64), np.zeros(B, np.uint8)
-        doc, pos = np.empty(B, np.int32), np.empty(B, np.int64)
+        budget = self.budget
+        tokens, mask = np.zeros(budget, np.int64), np.zeros(budget, np.uint8)
+        doc, pos = np.empty(budget, np.int32), np.empty(budget, np.int64)
         cu, p = [0], 0
         for d, i in enumerate(idx.tolist()):
             a, l = int(self.ds.offsets[i]), int(self._len[i])
@@ -217,9 +217,9 @@ class Packer:
             doc[p:p + l], pos[p:p + l] = d, np.arange(l)
             p += l
             cu.append(p)
-        if p < B:  # the padding tail is its own document, so no real token can attend to it
-            doc[p:], pos[p:] = len(idx), np.arange(B - p)
-            cu.append(B)
+        if p < budget:  # the padding tail is its own document, so no real token can attend to it
+            doc[p:], pos[p:] = len(idx), np.arange(budget - p)
+            cu.append(budget)
         return Row(tokens, mask, doc, pos, np.array(cu, np.int64), idx.astype(np.int64), self.epoch, r)
 
     def seek(self, steps):
@@ -382,7 +382,7 @@ def _summary(out, metas, t0, log):
 
 def make_demo(out_dir, samples=384, val_samples=32, new_tokens=48, seed=0, force=False, log=print):
     """Random prompts of 8-24 tokens, each continued greedily for new_tokens by the `tiny` target of
-    model.py, loss mask on the continuation: the data is the very target's own output, as DFlash trains,
+    target.py, loss mask on the continuation: the data is the very target's own output, as DFlash trains,
     so the acceptance proxy is real acceptance against that target. The weights come from Target.build,
     which seeds each tensor by its name, so they match train.py's tiny target whatever the seed; `seed`
     picks the prompts. A directory that already holds this exact demo is reused, not remade."""
@@ -394,7 +394,7 @@ def make_demo(out_dir, samples=384, val_samples=32, new_tokens=48, seed=0, force
     except (OSError, ValueError):
         pass  # not there, or not this demo: make it (and _Writer refuses to overwrite without force)
     import torch
-    from model import Target, TargetConfig
+    from target import Target, TargetConfig
     cfg = TargetConfig.preset("tiny")
     target = Target.build(cfg).eval()
     rng, n, t0 = np.random.default_rng(seed), samples + val_samples, time.time()

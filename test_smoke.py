@@ -22,9 +22,10 @@ from safetensors.torch import save_file
 
 import data
 import model
+import target
 from data import DataError, Packer, open_dataset, write_dataset
-from model import (Drafter, DrafterConfig, Target, TargetConfig, anchor_blocks, anchor_mask_mod, default_target_layer_ids,
-                   positions_from_cu, rope_cos_sin, sample_anchors, torch_chunk_gated_delta_rule)
+from model import Drafter, DrafterConfig, anchor_blocks, anchor_mask_mod, default_target_layer_ids, sample_anchors
+from target import Target, TargetConfig, positions_from_cu, rope_cos_sin, torch_chunk_gated_delta_rule
 
 
 # -------------------------------------------------------------------------------------------------------------
@@ -1557,17 +1558,13 @@ def test_large_dataset_flat_memory(tmp_path):
 
 
 # -----------------------------------------------------------------------------
-# demo (needs model.py with the Target API; skipped until it exists)
+# demo
 
 def test_demo_is_the_targets_greedy_output(tmp_path):
-    model = pytest.importorskip("model")
-    if not hasattr(model, "Target") or not hasattr(model.Target, "build"):
-        pytest.skip("model.py has no Target.build yet")
-    import torch
     out = data.make_demo(tmp_path / "demo", samples=10, val_samples=3, new_tokens=20, seed=0, log=print)
     tr, va = open_dataset(out), open_dataset(os.path.join(out, "val"))
-    assert len(tr) == 10 and len(va) == 3 and tr.vocab_size == model.TargetConfig.preset("tiny").vocab_size
-    target = model.Target.build(model.TargetConfig.preset("tiny")).eval()
+    assert len(tr) == 10 and len(va) == 3 and tr.vocab_size == TargetConfig.preset("tiny").vocab_size
+    tiny = Target.build(TargetConfig.preset("tiny")).eval()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny ops: a second thread only adds overhead (see make_demo)
     prompts = set()
@@ -1579,7 +1576,7 @@ def test_demo_is_the_targets_greedy_output(tmp_path):
             prompts.add(tuple(ids[:p].tolist()))
             # independent of the packed step-by-step generation: one teacher-forced forward over the
             # sample alone; a causal model's argmax at every continuation position must be the next token
-            logits = target.logits(ids, torch.tensor([0, len(ids)]))
+            logits = tiny.logits(ids, torch.tensor([0, len(ids)]))
             assert torch.equal(logits[p - 1:-1].argmax(-1), ids[p:])
     torch.set_num_threads(threads)
     assert len(prompts) == 13

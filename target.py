@@ -1,0 +1,450 @@
+"""
+The frozen target: the Qwen3.5 / Qwen3.6 hybrid text model (Gated DeltaNet + gated attention), read straight
+from Hugging Face safetensors. fla-core kernels on GPU; the same math in plain torch on CPU, so every test runs
+without a GPU. The reference is transformers' models/qwen3_5/modeling_qwen3_5.py (test_smoke.py compares
+against it). The drafter (model.py) borrows the small shared pieces at the top of this file.
+"""
+import functools
+import json
+import os
+import zlib
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# -----------------------------------------------------------------------------
+# pieces shared with the drafter
+
+def rms_norm(x, weight, eps, plus_one=False):
+    # Qwen3.5 stores its norms zero-centred (scale = 1 + w); Qwen3 and the GDN gated norm use plain w
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    scale = weight.float() + 1.0 if plus_one else weight.float()
+    return (xf * scale).to(x.dtype)
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps, plus_one=False):
+        super().__init__()
+        self.eps, self.plus_one = eps, plus_one
+        self.weight = nn.Parameter(torch.zeros(dim) if plus_one else torch.ones(dim))
+
+    def forward(self, x):
+        return rms_norm(x, self.weight, self.eps, self.plus_one)
+
+def rope_cos_sin(pos, rot_dim, theta):
+    # NeoX-style rotary angles in fp32: pos [T] -> cos, sin [T, rot_dim]
+    inv_freq = theta ** -(torch.arange(0, rot_dim, 2, device=pos.device, dtype=torch.float32) / rot_dim)
+    angles = pos.float()[:, None] * inv_freq[None, :]
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+def apply_rope(x, cos, sin):
+    # x [T, heads, head_dim]; rotates the first cos.shape[-1] dims (partial RoPE), pairing i with i + rot/2
+    rot = cos.shape[-1]
+    x_rot, x_pass = x[..., :rot].float(), x[..., rot:]
+    x1, x2 = x_rot[..., : rot // 2], x_rot[..., rot // 2:]
+    rotated = torch.cat([-x2, x1], dim=-1)
+    out = x_rot * cos[:, None, :] + rotated * sin[:, None, :]
+    return torch.cat([out.to(x.dtype), x_pass], dim=-1)
+
+class MLP(nn.Module):
+    def __init__(self, hidden, inter):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+def positions_from_cu(cu_seqlens):
+    # cu_seqlens [n+1] (CPU) -> positions [T] restarting at 0 in every document
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    starts = torch.repeat_interleave(cu_seqlens[:-1], lens)
+    return torch.arange(int(cu_seqlens[-1])) - starts
+
+# -----------------------------------------------------------------------------
+# packed documents on the CPU path: [T, ...] <-> [n_docs, longest, ...]
+
+@functools.lru_cache(maxsize=4)
+def _doc_index(cu):
+    # for boundaries cu (a tuple): the source index [n_docs, longest] of each padded slot, and which are real
+    lens = torch.tensor(cu).diff()
+    j = torch.arange(int(lens.max()))
+    valid = j[None, :] < lens[:, None]
+    return (torch.tensor(cu[:-1])[:, None] + j).masked_fill(~valid, 0), valid
+
+def pad_docs(x, cu_list):
+    # [T, ...] -> [n_docs, longest, ...], every document zero-padded at its end
+    idx, valid = _doc_index(tuple(cu_list))
+    return x[idx] * valid.view(*valid.shape, *[1] * (x.dim() - 1)).to(x.dtype)
+
+def unpad_docs(y, cu_list):
+    return y[_doc_index(tuple(cu_list))[1]]
+
+# -----------------------------------------------------------------------------
+# Gated DeltaNet core in plain torch (the CPU path, and the reference for the fla kernel)
+
+def torch_chunk_gated_delta_rule(q, k, v, g, beta, chunk=None):
+    """One document. q, k [T, heads, dk] (l2-normalised, q scaled, q/k heads repeated to the v heads),
+    v [T, heads, dv], g (log decay <= 0) and beta [T, heads]. Returns o [T, heads, dv] in fp32.
+    Recurrence per head with state M [dk, dv]:
+        M <- exp(g_t) M;  M <- M + k_t (beta_t (v_t - M^T k_t))^T;  o_t = M^T q_t
+    computed chunkwise in the WY form (Yang et al., Gated Delta Networks, arXiv:2412.06464)."""
+    T, heads, dk = k.shape
+    chunk = chunk or min(64, max(16, dk))   # ~dk balances the O(C^2) in-chunk work against the O(dk dv) state work
+    pad = (-T) % chunk
+    q, k, v, g, beta = [F.pad(t.float(), (0, 0) * (t.dim() - 1) + (0, pad)) for t in (q, k, v, g, beta)]
+    n = (T + pad) // chunk
+    q, k, v = [t.view(n, chunk, heads, -1).permute(2, 0, 1, 3) for t in (q, k, v)]   # [heads, n, C, d]
+    g, beta = [t.view(n, chunk, heads).permute(2, 0, 1) for t in (g, beta)]           # [heads, n, C]
+    gc = g.cumsum(-1)                                                     # cumulative log decay in a chunk
+    tri = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    decay = (gc[..., :, None] - gc[..., None, :]).masked_fill(~tri, -float("inf")).exp()  # [heads, n, C, C]
+    kb = k * beta[..., None]
+    A = (kb @ k.transpose(-1, -2) * decay).tril(-1)                      # strictly lower part
+    eye = torch.eye(chunk, device=q.device)
+    Tinv = torch.linalg.solve_triangular(eye + A, eye.expand_as(A), upper=False)  # (I + A)^-1
+    u = Tinv @ (v * beta[..., None])                                      # pseudo-values
+    w = Tinv @ (kb * gc[..., None].exp())                                 # decayed keys
+    state = q.new_zeros(heads, dk, v.shape[-1])
+    out = []
+    for i in range(n):
+        v_new = u[:, i] - w[:, i] @ state
+        intra = (q[:, i] @ k[:, i].transpose(-1, -2) * decay[:, i]) @ v_new
+        out.append((q[:, i] * gc[:, i, :, None].exp()) @ state + intra)
+        last = gc[:, i, -1]
+        k_decayed = k[:, i] * (last[:, None] - gc[:, i]).exp()[..., None]
+        state = state * last[:, None, None].exp() + k_decayed.transpose(-1, -2) @ v_new
+    o = torch.stack(out, 1).reshape(heads, n * chunk, -1).transpose(0, 1)  # [T_padded, heads, dv]
+    return o[:T]
+
+def _fla():
+    # imported lazily: CPU users and CI never need triton
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    from fla.modules.causal_conv1d import causal_conv1d
+    from fla.modules.norm.fused_norm_gate import rms_norm_gated
+    return chunk_gated_delta_rule, causal_conv1d, rms_norm_gated
+
+# -----------------------------------------------------------------------------
+# target config and layers
+
+@dataclass
+class TargetConfig:
+    vocab_size: int = 248320            # embedding / lm_head rows (padded vocab)
+    hidden_size: int = 5120             # d_model
+    intermediate_size: int = 17408      # SwiGLU width
+    num_hidden_layers: int = 64         # decoder layers
+    layer_types: list = None            # "linear_attention" (GDN) or "full_attention" per layer
+    full_attention_interval: int = 4    # without layer_types: layer i is full attention iff (i+1) % 4 == 0
+    num_attention_heads: int = 24       # gated attention query heads
+    num_key_value_heads: int = 4        # gated attention kv heads (GQA)
+    head_dim: int = 256                 # gated attention head size (not hidden/heads)
+    linear_num_key_heads: int = 16      # GDN q/k heads
+    linear_num_value_heads: int = 48    # GDN v heads; v-head j reads q/k head j // (48/16)
+    linear_key_head_dim: int = 128      # GDN q/k head size
+    linear_value_head_dim: int = 128    # GDN v head size
+    linear_conv_kernel_dim: int = 4     # causal depthwise conv width
+    rms_norm_eps: float = 1e-6          # every norm, the GDN gated norm included
+    rope_theta: float = 1e7             # RoPE base
+    partial_rotary_factor: float = 0.25 # RoPE on the first 25% of each attention head (64 of 256 dims)
+    max_position_embeddings: int = 262144  # copied into the drafter config
+    tie_word_embeddings: bool = False   # lm_head shares embed_tokens
+    init_std: float = 0.02              # random init of presets (no checkpoint)
+
+    def __post_init__(self):
+        if self.layer_types is None:
+            every = self.full_attention_interval
+            self.layer_types = ["full_attention" if (i + 1) % every == 0 else "linear_attention"
+                                for i in range(self.num_hidden_layers)]
+        bad = set(self.layer_types) - {"full_attention", "linear_attention"}
+        assert not bad, f"unsupported layer_types {bad}: this target supports Qwen3.5/3.6 hybrid layers only"
+        assert len(self.layer_types) == self.num_hidden_layers, "layer_types must have one entry per layer"
+
+    @classmethod
+    def from_hf(cls, path):
+        """config.json of an HF checkpoint: the multimodal wrapper (text_config) or a text-only config."""
+        file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+        with open(file) as f:
+            cfg = json.load(f)
+        arch = cfg.get("architectures", ["?"])[0]
+        if cfg.get("model_type") not in ("qwen3_5", "qwen3_5_text"):
+            raise ValueError(f"{file}: model_type {cfg.get('model_type')!r} ({arch}) is not supported; "
+                             "this trainer's target is the Qwen3.5/Qwen3.6 hybrid (model_type qwen3_5)")
+        text = cfg.get("text_config", cfg)
+        rope = {**text, **(text.get("rope_parameters") or {})}   # some exports flatten rope_theta into text_config
+        kw = {f.name: text[f.name] for f in fields(cls) if f.name in text}
+        kw["rope_theta"] = rope.get("rope_theta", 1e7)
+        kw["partial_rotary_factor"] = rope.get("partial_rotary_factor", 0.25)
+        kw.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
+        return cls(**kw)
+
+    @classmethod
+    def preset(cls, name):
+        presets = {
+            "qwen3.6-27b": dict(),   # the defaults above are the exact 27B geometry
+            # a few-layer toy with the same structure, for CPU tests and the demo
+            "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
+                         linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                         max_position_embeddings=4096, init_std=0.1),
+        }
+        if name not in presets:
+            raise ValueError(f"unknown target preset {name!r}; "
+                             f"choose one of {sorted(presets)} or pass a checkpoint dir")
+        return cls(**presets[name])
+
+class GatedAttention(nn.Module):
+    """Qwen3.5 full-attention layer: causal GQA with q/k norm, partial RoPE and a sigmoid output gate."""
+    def __init__(self, c):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, 2 * q_dim, bias=False)   # per head: [query | gate]
+        self.k_proj = nn.Linear(c.hidden_size, kv_dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, kv_dim, bias=False)
+        self.o_proj = nn.Linear(q_dim, c.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps, plus_one=True)
+        self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps, plus_one=True)
+
+    def forward(self, x, rope, cu, cu_list):
+        T, hd = x.shape[0], self.head_dim
+        q, gate = self.q_proj(x).view(T, self.n_heads, 2 * hd).chunk(2, dim=-1)   # [T, heads, hd] each
+        q = apply_rope(self.q_norm(q), *rope)
+        k = apply_rope(self.k_norm(self.k_proj(x).view(T, self.n_kv_heads, hd)), *rope)
+        v = self.v_proj(x).view(T, self.n_kv_heads, hd)
+        if x.is_cuda:
+            # document-causal attention over all documents in one varlen (flash) call, K/V repeated to the
+            # query heads (the fastest of the kernels bench.py target compares)
+            from torch.nn.attention.varlen import varlen_attn
+            rep, cu32 = self.n_heads // self.n_kv_heads, cu.to(torch.int32)
+            longest = max(b - a for a, b in zip(cu_list[:-1], cu_list[1:]))
+            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+            o = varlen_attn(q, k, v, cu32, cu32, longest, longest, window_size=(-1, 0))
+        else:
+            # documents padded into one batch [n_docs, heads, longest, hd]; causal, so no query sees the padding
+            q, k, v = (pad_docs(t, cu_list).transpose(1, 2) for t in (q, k, v))
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            o = unpad_docs(o.transpose(1, 2), cu_list)                       # [T, heads, hd]
+        o = o.reshape(T, self.n_heads * hd)
+        return self.o_proj(o * torch.sigmoid(gate.reshape(T, -1)))
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3.5 linear-attention layer: causal conv -> gated delta rule -> gated RMSNorm."""
+    def __init__(self, c):
+        super().__init__()
+        self.n_qk, self.n_v = c.linear_num_key_heads, c.linear_num_value_heads
+        self.dk, self.dv, self.eps = c.linear_key_head_dim, c.linear_value_head_dim, c.rms_norm_eps
+        key_dim, value_dim = self.n_qk * self.dk, self.n_v * self.dv
+        self.in_proj_qkv = nn.Linear(c.hidden_size, 2 * key_dim + value_dim, bias=False)   # flat [q | k | v]
+        self.in_proj_z = nn.Linear(c.hidden_size, value_dim, bias=False)
+        self.in_proj_b = nn.Linear(c.hidden_size, self.n_v, bias=False)
+        self.in_proj_a = nn.Linear(c.hidden_size, self.n_v, bias=False)
+        self.conv1d = nn.Module()
+        self.conv1d.weight = nn.Parameter(torch.zeros(2 * key_dim + value_dim, 1, c.linear_conv_kernel_dim))
+        self.dt_bias = nn.Parameter(torch.ones(self.n_v))
+        self.A_log = nn.Parameter(torch.zeros(self.n_v))
+        self.norm = RMSNorm(self.dv, self.eps)              # plain weight, then * silu(z)
+        self.out_proj = nn.Linear(value_dim, c.hidden_size, bias=False)
+
+    def forward(self, x, rope, cu, cu_list):     # rope unused: GDN has no positions
+        T, key_dim = x.shape[0], self.n_qk * self.dk
+        qkv = self.in_proj_qkv(x)
+        z = self.in_proj_z(x).view(T, self.n_v, self.dv)
+        beta = torch.sigmoid(self.in_proj_b(x))
+        # log decay per step and v-head, in fp32
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        split = [key_dim, key_dim, self.n_v * self.dv]
+        if x.is_cuda:
+            chunk_gated_delta_rule, causal_conv1d, rms_norm_gated = _fla()
+            y, _ = causal_conv1d(qkv[None], weight=self.conv1d.weight[:, 0], activation="silu", cu_seqlens=cu)
+            q, k, v = y[0].split(split, dim=-1)
+            q, k = q.view(1, T, self.n_qk, self.dk), k.view(1, T, self.n_qk, self.dk)
+            o, _ = chunk_gated_delta_rule(q, k, v.view(1, T, self.n_v, self.dv), g=g[None], beta=beta[None],
+                                          use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+            o = rms_norm_gated(o[0], z, self.norm.weight, None, activation="swish", eps=self.eps)
+        else:
+            # causal depthwise conv that restarts at every document start: zero the taps from other documents
+            width = self.conv1d.weight.shape[-1]
+            doc = torch.repeat_interleave(torch.arange(len(cu_list) - 1), torch.tensor(cu_list).diff())
+            windows = F.pad(qkv, (0, 0, width - 1, 0)).unfold(0, width, 1)         # [T, channels, width]
+            window_doc = F.pad(doc, (width - 1, 0), value=-1).unfold(0, width, 1)  # [T, width]
+            windows = windows * (window_doc == doc[:, None])[:, None, :].to(windows.dtype)
+            y = F.silu((windows * self.conv1d.weight[:, 0]).sum(-1))
+            q, k, v = y.split(split, dim=-1)
+            # l2norm as HF/FLA do it: x / sqrt(|x|^2 + 1e-6) (F.normalize's x / max(|x|, eps) differs)
+            q, k = (t.view(T, self.n_qk, self.dk).float() for t in (q, k))
+            q = q * torch.rsqrt(q.pow(2).sum(-1, keepdim=True) + 1e-6) * self.dk ** -0.5
+            k = k * torch.rsqrt(k.pow(2).sum(-1, keepdim=True) + 1e-6)
+            rep = self.n_v // self.n_qk
+            q, k = (t.repeat_interleave(rep, dim=1) for t in (q, k))   # v-head j reads q/k head j // rep
+            v = v.view(T, self.n_v, self.dv)
+            # every document restarts the state: pad them into one batch and fold the batch into the heads
+            n_docs, longest = len(cu_list) - 1, max(b - a for a, b in zip(cu_list[:-1], cu_list[1:]))
+            def fold(t):   # [T, heads, ...] -> [longest, n_docs * heads, ...]
+                return pad_docs(t, cu_list).transpose(0, 1).reshape(longest, n_docs * self.n_v, *t.shape[2:])
+            o = torch_chunk_gated_delta_rule(*(fold(t) for t in (q, k, v, g, beta)))
+            o = o.view(longest, n_docs, self.n_v, self.dv).transpose(0, 1)      # [n_docs, longest, heads, dv]
+            o = unpad_docs(o, cu_list).to(x.dtype)
+            o = (self.norm(o).float() * F.silu(z.float())).to(x.dtype)
+        return self.out_proj(o.reshape(T, -1))
+
+class TargetLayer(nn.Module):
+    def __init__(self, c, kind):
+        super().__init__()
+        self.kind = kind
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, plus_one=True)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, plus_one=True)
+        if kind == "full_attention":
+            self.self_attn = GatedAttention(c)
+        else:
+            self.linear_attn = GatedDeltaNet(c)
+        self.mlp = MLP(c.hidden_size, c.intermediate_size)
+
+    def forward(self, h, rope, cu, cu_list):
+        mixer = self.self_attn if self.kind == "full_attention" else self.linear_attn
+        h = h + mixer(self.input_layernorm(h), rope, cu, cu_list)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+# -----------------------------------------------------------------------------
+# the target model: random presets or an HF checkpoint; features for the drafter, logits for generation
+
+def seeded_init_(name, t, std):
+    # every tensor gets its own generator seeded by its name, so a rank that builds only some tensors
+    # (a drafter rank builds just embed_tokens + lm_head) gets exactly the weights the target rank has.
+    # Small tensors are drawn on the CPU (a toy target is then the same on every device: the demo data was
+    # made on the CPU); big ones on their own device (27B of CPU normals would take minutes).
+    dev = t.device if t.numel() >= 1 << 24 else torch.device("cpu")
+    gen = torch.Generator(dev).manual_seed(zlib.crc32(name.encode()))
+    t.copy_(torch.empty(t.shape, device=dev).normal_(0.0, std, generator=gen))   # fp32 draws: any dtype alike
+
+class Target(nn.Module):
+    """Frozen hybrid target. Builds only what the caller needs: layers [0, n_layers) (up to the last tapped
+    one on a target rank; 0 on a drafter rank, which only borrows embed_tokens and lm_head) and lm_head
+    when head=True (target ranks never need it)."""
+    def __init__(self, config, n_layers=None, head=True):
+        super().__init__()
+        c = self.config = config
+        self.n_layers = n_layers if n_layers is not None else c.num_hidden_layers
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList([TargetLayer(c, c.layer_types[i]) for i in range(self.n_layers)])
+        complete = self.n_layers == c.num_hidden_layers
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, plus_one=True) if complete else None
+        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False) if head else None
+        self.requires_grad_(False)
+
+    @classmethod
+    def build(cls, config, device="cpu", dtype=torch.float32, n_layers=None, head=True):
+        """Random weights (presets, tests): deterministic per tensor name, made tensor by tensor."""
+        with torch.device("meta"):
+            model = cls(config, n_layers, head)
+        state = {}
+        for name, p in model.named_parameters():
+            fp32 = name.endswith(("A_log", "dt_bias"))
+            t = torch.empty(p.shape, dtype=torch.float32 if fp32 else dtype, device=device)
+            if name.endswith("A_log"):
+                t.copy_(torch.linspace(0.0, 2.7, p.numel()))            # decay rates exp(A) in [1, 15]
+            elif name.endswith("dt_bias"):
+                t.fill_(-2.0)
+            elif name.endswith("linear_attn.norm.weight"):
+                t.fill_(1.0)                                            # GDN gated norm: plain weight
+            elif p.dim() == 1:
+                t.zero_()                                               # zero-centred norms: scale 1 + 0
+            else:   # embeddings N(0, 1) as nn.Embedding's default, so a random target's text is mostly a
+                # function of the last tokens (learnable: the demo's teacher); GPT-2's residual scaling on outputs
+                out = name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight"))
+                std = 1.0 if name == "embed_tokens.weight" else config.init_std
+                seeded_init_(name, t, std / (2 * config.num_hidden_layers) ** 0.5 if out else std)
+            state[name] = t
+        if config.tie_word_embeddings and head:
+            state["lm_head.weight"] = state["embed_tokens.weight"]
+        model.load_state_dict(state, assign=True)
+        return model
+
+    @classmethod
+    def from_pretrained(cls, path, device="cpu", dtype=torch.bfloat16, n_layers=None, head=True):
+        """Load an HF Qwen3.5/3.6 checkpoint dir (one model.safetensors, or shards with an index), reading
+        only the tensors this rank needs, straight to `device` (the model is built on the meta device)."""
+        from safetensors import safe_open
+        config = TargetConfig.from_hf(path)
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.exists(index):
+            with open(index) as f:
+                where = json.load(f)["weight_map"]
+        elif os.path.exists(os.path.join(path, "model.safetensors")):
+            with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
+                where = {k: "model.safetensors" for k in f.keys()}
+        else:
+            raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
+        # official multimodal layout: model.language_model.* + lm_head.weight; text-only layout: model.*
+        multimodal = any(k.startswith("model.language_model.") for k in where)
+        prefix = "model.language_model." if multimodal else "model."
+        with torch.device("meta"):
+            model = cls(config, n_layers, head)
+        wanted = {}   # shard file -> [(our name, checkpoint key, meta parameter)]
+        for name, p in model.named_parameters():
+            key = "lm_head.weight" if name == "lm_head.weight" else prefix + name
+            if key == "lm_head.weight" and config.tie_word_embeddings:
+                key = prefix + "embed_tokens.weight"
+            if key not in where:
+                raise KeyError(f"{path}: tensor {key} (for {name}) is missing from the checkpoint index/file")
+            wanted.setdefault(where[key], []).append((name, key, p))
+        state = {}
+        for file, items in wanted.items():
+            file = os.path.join(path, file)
+            with safe_open(file, "pt", device=str(device)) as f:
+                present = set(f.keys())
+                for name, key, p in items:
+                    if key not in present:
+                        raise KeyError(f"{file}: tensor {key} listed in the index is not in this file")
+                    t = f.get_tensor(key)
+                    if tuple(t.shape) != tuple(p.shape):
+                        raise ValueError(f"{file}: tensor {key} has shape {tuple(t.shape)}, "
+                                         f"expected {tuple(p.shape)} from config.json")
+                    state[name] = t.to(torch.float32 if name.endswith(("A_log", "dt_bias")) else dtype)
+        model.load_state_dict(state, assign=True)
+        return model
+
+    def _run(self, ids, cu_seqlens, stop):
+        # ids [T] long (device), cu_seqlens [n+1] long on the CPU: boundaries of the packed documents
+        c = self.config
+        cu_list = cu_seqlens.tolist()
+        pos = positions_from_cu(cu_seqlens).to(ids.device)
+        rope = rope_cos_sin(pos, int(c.head_dim * c.partial_rotary_factor), c.rope_theta)
+        cu = cu_seqlens.to(ids.device)
+        h = self.embed_tokens(ids)
+        for i in range(stop):
+            h = self.layers[i](h, rope, cu, cu_list)
+            yield i, h
+
+    @torch.inference_mode()
+    def features(self, ids, cu_seqlens, layer_ids):
+        """Concatenated outputs of decoder layers `layer_ids` (HF hidden_states[i+1]) -> [T, len * hidden].
+        Stops computing after the last requested layer."""
+        last = max(layer_ids)
+        assert last < self.n_layers, f"tapped layer {last} was not built (n_layers={self.n_layers})"
+        taps = {i: h for i, h in self._run(ids, cu_seqlens, last + 1) if i in layer_ids}
+        return torch.cat([taps[i] for i in layer_ids], dim=-1)
+
+    @torch.inference_mode()
+    def logits(self, ids, cu_seqlens, at=None):
+        """Next-token logits [T, vocab], or only at the positions `at` (generation needs each document's last)."""
+        assert self.norm is not None, "logits need every layer: build the target without n_layers"
+        for _, h in self._run(ids, cu_seqlens, self.n_layers):
+            pass
+        return self.lm_head(self.norm(h if at is None else h[at])).float()
+
+    def flops(self, cu_seqlens, n_layers):
+        """Matmul FLOPs of a forward through layers [0, n_layers) over one packed row (for MFU)."""
+        c, T = self.config, int(cu_seqlens[-1])
+        linear = sum(p.numel() for n, p in self.layers[:n_layers].named_parameters() if p.dim() == 2)
+        lens = (cu_seqlens[1:] - cu_seqlens[:-1]).double()
+        n_full = sum(c.layer_types[i] == "full_attention" for i in range(n_layers))
+        causal_pairs = float((lens * (lens + 1) / 2).sum())
+        attn = n_full * 2 * 2 * c.num_attention_heads * c.head_dim * causal_pairs   # QK^T and PV
+        # GDN core in 64-token chunks: ~ (4 chunk-local + 6 state) dk*dv FLOPs per token and v-head
+        dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
+        gdn = (n_layers - n_full) * T * c.linear_num_value_heads * dk * (10 * dv + 4 * 64)
+        return 2 * linear * T + attn + gdn
