@@ -26,7 +26,10 @@ from model import Drafter, DrafterConfig, sample_anchors, anchor_blocks, flex_ba
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("what", choices=["check", "target", "drafter", "sweep", "pair"])
-p.add_argument("--anchors", type=int, default=512, help="draft blocks per row")
+p.add_argument("--anchors", type=int, default=512, help="draft blocks per row (drafter, sweep); per document (pair)")
+p.add_argument("--row-anchors", type=int, default=0, help="pair mode: train.py --row-anchors (0: measured from the data)")
+p.add_argument("--mix", choices=["short", "long"], default="short", help="pair mode: synthetic documents of 1-3K "
+               "(short) or 4-8K (long) tokens, loss on the second half of each")
 p.add_argument("--budget", type=int, default=8192, help="tokens per row")
 p.add_argument("--drafter-layers", type=int, default=5, help="drafter decoder layers")
 p.add_argument("--steps", type=int, default=30, help="training steps per train.py run (the last 10 are timed)")
@@ -96,7 +99,7 @@ if args.what == "check":
     lm = (torch.rand(S, device=dev) < 0.8).long()
     feats = torch.randn(S, 3 * 64, device=dev)
     tgt = Target.build(tcfg, device=dev)
-    anchors, keep = sample_anchors(lm, doc, N)
+    anchors, keep, _ = sample_anchors(lm, doc, S, N)
     keep[-3:] = False                                             # padded slots too
     blocks = anchor_blocks(anchors, keep, doc, S, dcfg.block_size)
     res = {}
@@ -181,7 +184,7 @@ elif args.what in ("drafter", "sweep"):
                 return d(feats, tokens, lm, doc, pos, anchors, keep, tgt.embed_tokens.weight, tgt.lm_head.weight, 7.0, {}, blocks)
         graph = torch.compile(graph, fullgraph=True, dynamic=False)
         def step():
-            anchors, keep = sample_anchors(lm, doc, N)
+            anchors, keep, _ = sample_anchors(lm, doc, S, N)     # N per row, from any document
             out = graph(anchors, keep, anchor_blocks(anchors, keep, doc, S, B))
             out["loss"].backward()
             torch.nn.utils.clip_grad_norm_(d.parameters(), 1.0)
@@ -197,7 +200,7 @@ elif args.what in ("drafter", "sweep"):
         kernels, fused = flex_backward_kernels(prof)
         torch.cuda.reset_peak_memory_stats()
         ms = bench_ms(step)
-        fl = d.flops(S, N, visible(pos, *sample_anchors(lm, doc, N), B))
+        fl = d.flops(S, N, visible(pos, *sample_anchors(lm, doc, S, N)[:2], B))
         return compile_s, ms, fl, torch.cuda.max_memory_allocated() / 2**30, kernels[0] if fused else "NOT SEEN"
 
     grid = ([(args.anchors, args.budget)] if args.what == "drafter" else
@@ -214,20 +217,23 @@ elif args.what in ("drafter", "sweep"):
             torch.cuda.empty_cache()
 
 else:
-    # synthetic data with the real shapes: documents of 1-3K tokens, loss on the second half of each
     from data import write_dataset
-    data = os.path.join(args.out, "data")
+    # synthetic data with the real shapes: documents of 1-3K (short) or 4-8K (long) tokens, loss on their second half
+    data = os.path.join(args.out, f"data-{args.mix}")
     if not os.path.exists(os.path.join(data, "train", "meta.json")):
         rng = np.random.default_rng(0)
+        lo, hi = (1024, 3072) if args.mix == "short" else (4096, 8192)
         def samples(n):
             for _ in range(n):
-                L = int(rng.integers(1024, 3072))
+                L = int(rng.integers(lo, hi))
                 yield rng.integers(0, 248000, L).astype(np.uint32), (np.arange(L) >= L // 2).astype(np.uint8)
         write_dataset(os.path.join(data, "train"), samples(400), vocab_size=248320, force=True)
         write_dataset(os.path.join(data, "val"), samples(8), vocab_size=248320, force=True)
-    common = ["train.py", "--target", "qwen3.6-27b", "--data", data, "--anchors", str(args.anchors), "--budget",
-              str(args.budget), "--drafter-layers", str(args.drafter_layers), "--max-steps", str(args.steps),
-              "--log-interval", str(max(1, args.steps // 3)), "--eval-interval", "100000", "--save-interval", "100000", "--eval-rows", "1"]
+    common = ["train.py", "--target", "qwen3.6-27b", "--data", data, "--anchors", str(args.anchors),
+              "--row-anchors", str(args.row_anchors), "--budget", str(args.budget),
+              "--drafter-layers", str(args.drafter_layers), "--max-steps", str(args.steps),
+              "--log-interval", str(max(1, args.steps // 3)), "--eval-interval", "100000",
+              "--save-interval", "100000", "--eval-rows", "1"]
     runs = {"one": [sys.executable] + common, "pair": ["torchrun", "--nproc_per_node=2"] + common}
     recs = {}
     for name in args.runs.split(","):
@@ -256,25 +262,26 @@ else:
     dcfg = DrafterConfig.from_target(tcfg, num_hidden_layers=args.drafter_layers)
     with torch.device("meta"):
         tmeta, dmeta = Target(tcfg, n_layers=max(dcfg.target_layer_ids) + 1, head=False), Drafter(dcfg)
-    cu = row_cu(args.budget, max(2, args.budget // 2048))
+    S = args.budget
+    cu = row_cu(S, max(2, S // 2048))
     tfl = tmeta.flops(cu, max(dcfg.target_layer_ids) + 1)
-    S, N = args.budget, args.anchors
     doc, pos = doc_pos(cu)
-    dfl = dmeta.flops(S, N, visible(pos, *sample_anchors(torch.ones(S, dtype=torch.long, device=dev), doc, N), dcfg.block_size))
-    r1, r2 = recs.get("one"), recs.get("pair")
+    def drafter_flops(rec):   # at the compiled shape: every anchor slot of the row goes through the matmuls
+        N = rec["row_anchors"]
+        return dmeta.flops(S, N, visible(pos, *sample_anchors(torch.ones(S, device=dev), doc, S, N)[:2], 16))
     print(f"\n{torch.cuda.get_device_name()} | torch {torch.__version__} | matmul peak {peak / 1e12:.0f} TFLOP/s | "
-          f"anchors {N} budget {S} drafter layers {args.drafter_layers} | {time.strftime('%Y-%m-%d')}")
+          f"--anchors {args.anchors} --row-anchors {args.row_anchors} --budget {S} | {args.mix} documents | "
+          f"drafter layers {args.drafter_layers} | {time.strftime('%Y-%m-%d')}")
     print("| measure | value |\n|---|---|")
-    if r1:
-        print(f"| target forward (alone) | {r1['ms_target']:.0f} ms, MFU {tfl / (r1['ms_target'] * 1e-3) / peak:.1%} |")
-        print(f"| drafter step (alone) | {r1['ms_drafter']:.0f} ms, MFU {dfl / (r1['ms_drafter'] * 1e-3) / peak:.1%} |")
-        print(f"| both roles on one GPU | {r1['tok_s']:.0f} context tok/s, peak mem {r1['mem_gib'][0]:.1f} GiB |")
-    if r2:
-        step = S / r2["tok_s"] * 1e3
-        print(f"| pair step | {step:.0f} ms, {r2['tok_s']:.0f} context tok/s per pair |")
-        print(f"| pair: target fwd / drafter wait / drafter step | {r2['ms_target']:.0f} / {r2['ms_wait']:.0f} / {r2['ms_drafter']:.0f} ms |")
-        print(f"| peak mem target GPU / drafter GPU | {r2['mem_gib'][0]:.1f} / {r2['mem_gib'][1]:.1f} GiB |")
-        print(f"| compiled graphs on the drafter rank (train + eval; a recompile is an error) | {r2.get('graphs')} |")
-        if r1:
-            print(f"| pair step / slower role alone | {step / max(r1['ms_target'], r1['ms_drafter']):.2f} |")
-    print(f"| FLOPs per step: target fwd / drafter fwd+bwd | {tfl / 1e12:.0f} / {dfl / 1e12:.0f} TFLOP |")
+    for name, r in recs.items():
+        mfu_t = tfl / (r["ms_target"] * 1e-3) / peak
+        mfu_d = drafter_flops(r) / (r["ms_drafter"] * 1e-3) / peak
+        print(f"| {name}: step | {r['ms_step']:.0f} ms: {r['tok_s']:.0f} context tok/s, {r['blocks_s']:.0f} "
+              f"supervised blocks/s, {r['drafted_tok_s']:.0f} drafted tokens/s |")
+        print(f"| {name}: anchors per row (capacity), cut by it, padded | {r['anchors_row']:.0f} "
+              f"({r['row_anchors']}), {r['anchors_cut']} in the window, {r['pad_frac']:.0%} |")
+        print(f"| {name}: target fwd / drafter wait / drafter step | {r['ms_target']:.0f} (MFU {mfu_t:.0%}) / "
+              f"{r['ms_wait']:.0f} / {r['ms_drafter']:.0f} ms (MFU {mfu_d:.0%}) |")
+        print(f"| {name}: busy target GPU / drafter GPU | {r['busy_target']:.0%} / {r['busy_drafter']:.0%} |")
+        print(f"| {name}: peak memory per GPU | {' / '.join(f'{m:.1f}' for m in r['mem_gib'])} GiB |")
+        print(f"| {name}: compiled graphs on the drafter rank (train + eval) | {r.get('graphs')} |")

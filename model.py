@@ -23,17 +23,35 @@ from target import MLP, RMSNorm, apply_rope, rope_cos_sin
 # -----------------------------------------------------------------------------
 # 1) anchors
 
-def sample_anchors(loss_mask, doc, n):
-    """Up to n anchors per row, uniformly without replacement among positions whose next token is supervised
-    and in the same document; sorted (sorted anchors keep flex tiles sparse). On device, no host sync.
-    Returns anchors [n] long (0 in padded slots) and keep [n] bool."""
-    valid = (loss_mask[1:] > 0) & (doc[1:] == doc[:-1])
-    keys = torch.rand(valid.shape, device=valid.device).masked_fill(~valid, 2.0)
-    picked = keys.topk(n, largest=False).indices                         # n random valid positions (if any)
-    keep = keys[picked] < 2.0
-    anchors = torch.where(keep, picked, valid.shape[0] + 1).sort().values  # padded slots sort last
-    keep = anchors <= valid.shape[0]
-    return torch.where(keep, anchors, 0), keep
+def sample_anchors(loss_mask, doc, per_doc, capacity):
+    """The anchors of one packed row, as the DFlash recipe samples them (paper sec. 4.2: a fixed number of
+    blocks per sequence, positions drawn at random every epoch): in every document, min(per_doc, eligible)
+    positions uniformly without replacement, where a is eligible iff loss_mask[a] = loss_mask[a+1] = 1 in one
+    document (the anchor is a served token and its first drafted token is supervised). A row that wants more
+    than `capacity` keeps the lowest-ranked draws of every document (max-min fair: short documents keep all of
+    theirs, long ones share the rest evenly). Sorted (sorted anchors keep flex tiles sparse), on device, no
+    host sync. Returns anchors [capacity] long (0 in padded slots), keep [capacity] bool, and the number the
+    row wanted before the capacity cut (a 0-d tensor)."""
+    S, dev = loss_mask.shape[0], loss_mask.device
+    supervised = loss_mask > 0
+    eligible = supervised[:-1] & supervised[1:] & (doc[:-1] == doc[1:])       # [S-1]
+    key = torch.rand(S - 1, device=dev, dtype=torch.float64)
+    # group the eligible positions by document, in random order within each; the rest sort last
+    order = torch.argsort(torch.where(eligible, doc[:-1] + key, float("inf")))
+    sorted_doc = doc[:-1][order]
+    i = torch.arange(S - 1, device=dev)
+    group_start = torch.ones(S - 1, dtype=torch.bool, device=dev)
+    group_start[1:] = sorted_doc[1:] != sorted_doc[:-1]
+    first = torch.where(group_start, i, 0).cummax(0).values
+    rank = torch.empty_like(i)
+    rank[order] = i - first                                                 # draw order within the document
+    wanted = eligible & (rank < per_doc)
+    score = torch.where(wanted, rank + key, float("inf"))                  # capacity: lowest ranks first
+    picked = score.topk(capacity, largest=False).indices
+    keep = score[picked] < float("inf")
+    anchors = torch.where(keep, picked, S).sort().values                   # padded slots sort last
+    keep = anchors < S
+    return torch.where(keep, anchors, 0), keep, wanted.sum()
 
 # -----------------------------------------------------------------------------
 # 2) the mask

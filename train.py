@@ -36,8 +36,11 @@ group.add_argument("--mask-token-id", type=int, default=None, help="embedding ro
                    "(default: z-lab's for the vocab)")
 group.add_argument("--init-drafter", default=None, help="start from a z-lab format drafter dir, not random init")
 group = parser.add_argument_group("optimization")
-group.add_argument("--anchors", type=int, default=16, help="draft blocks per row (N); "
-                   "the drafter sees N*block-size query tokens")
+group.add_argument("--anchors", type=int, default=16, help="draft blocks per document (sample) and step, "
+                   "at most: the recipe's 512 per sample")
+group.add_argument("--row-anchors", type=int, default=0, help="draft blocks per packed row, fixed (the compiled "
+                   "shape; the drafter sees row-anchors*block-size query tokens); 0: the 90th percentile of what "
+                   "the data's rows ask for, measured at start")
 group.add_argument("--gamma", type=float, default=7.0, help="loss decay over block slots: weight exp(-(k-1)/gamma)")
 group.add_argument("--lr", type=float, default=6e-4, help="peak AdamW learning rate")
 group.add_argument("--warmup", type=float, default=0.04, help="linear warmup, fraction of all steps; then cosine to 0")
@@ -149,7 +152,11 @@ val_ds = open_dataset(val_dir) if os.path.exists(os.path.join(val_dir, "meta.jso
 packer = Packer(train_ds, args.budget, n_shards=n_pairs, shard=pair, seed=args.seed)
 steps_per_epoch = packer.steps_per_epoch
 max_steps = args.max_steps or packer.total_steps(args.epochs)
-budget, n_anchors, block_size = args.budget, args.anchors, args.block_size
+budget, per_doc, block_size = args.budget, args.anchors, args.block_size
+# the anchor capacity of a row: rows that want more are cut fairly across their documents, fewer are padded
+demand = packer.anchor_demand(per_doc)
+row_anchors = args.row_anchors or int(-(-np.percentile(demand, 90) // 8) * 8)   # a multiple of 8: 128-row tiles
+row_anchors = max(8, min(row_anchors, budget - 1, 4 * budget // block_size))
 
 # -----------------------------------------------------------------------------
 # models: target ranks load the layers up to the last tapped one, drafter ranks only embed_tokens + lm_head
@@ -167,8 +174,9 @@ start_checks = [
     (0 <= dcfg.mask_token_id < tcfg.vocab_size, f"--mask-token-id {dcfg.mask_token_id} is not a row of the "
      f"target's embedding (vocab {tcfg.vocab_size})"),
     (budget >= 2 * block_size, f"--budget {budget} must hold at least two blocks ({2 * block_size} tokens)"),
-    (n_anchors * block_size <= 4 * budget and n_anchors < budget, f"--anchors {n_anchors} is too many for "
-     f"--budget {budget}: at most {min(budget - 1, 4 * budget // block_size)}"),
+    (args.row_anchors * block_size <= 4 * budget and args.row_anchors < budget, f"--row-anchors "
+     f"{args.row_anchors} is too many for --budget {budget}: at most {min(budget - 1, 4 * budget // block_size)}"),
+    (per_doc > 0, f"--anchors {per_doc} must be at least 1"),
 ]
 for ok, msg in start_checks:
     if not ok:
@@ -312,6 +320,9 @@ if runs_drafter:
            f"mask token {dcfg.mask_token_id}, attention: {attention}")
 print0(f"data: {data_dir} ({len(train_ds)} samples), {steps_per_epoch} steps/epoch of {n_pairs} x {budget} tokens, "
        f"{max_steps} steps, truncated samples per epoch: {packer.truncated}; held-out rows: {len(eval_rows)}")
+sized_by = "--row-anchors" if args.row_anchors else "the 90th percentile of"
+print0(f"anchors: up to {per_doc} per document, {row_anchors} per row ({sized_by} the first {len(demand)} rows' "
+       f"demand: median {np.median(demand):.0f}, max {demand.max()}), {row_anchors * block_size} query tokens per row")
 
 # -----------------------------------------------------------------------------
 # target ranks: run ahead of the drafter with at most two rows in flight (double-buffered isends)
@@ -386,9 +397,9 @@ if not args.no_compile:
 def draw_anchors(row):
     # anchors and the BlockMask lists are made on device just before the graph (a few eager kernels, no host
     # sync) and enter it as inputs: inductor's flex lowering rejects mask tensors computed inside the graph
-    anchors, keep = sample_anchors(row["loss_mask"], row["doc"], n_anchors)
+    anchors, keep, wanted = sample_anchors(row["loss_mask"], row["doc"], per_doc, row_anchors)
     blocks = anchor_blocks(anchors, keep, row["doc"], budget, block_size) if cuda else None
-    return anchors, keep, blocks
+    return anchors, keep, blocks, wanted
 
 def save_checkpoint(step):
     tmp = ckpt_path + f".tmp-{os.getpid()}"
@@ -405,11 +416,12 @@ def reduce_drafters(t):
     return t
 
 # the metrics of a window live in one device tensor (one all-reduce, no host sync per step); named here only
-METRICS = dict(loss=1, accept_sum=1, blocks=1, nonfinite=1, slot_correct=block_size, slot_count=block_size)
+# blocks: anchors kept; wanted: anchors the rows asked for before the capacity cut
+METRICS = dict(loss=1, accept_sum=1, blocks=1, wanted=1, nonfinite=1, slot_correct=block_size, slot_count=block_size)
 
-def pack_metrics(out, nonfinite):
+def pack_metrics(out, wanted, nonfinite):
     loss = out["loss"].detach().float().nan_to_num(0.0)
-    parts = [loss, out["accept_sum"], out["blocks"], nonfinite, out["slot_correct"], out["slot_count"]]
+    parts = [loss, out["accept_sum"], out["blocks"], wanted, nonfinite, out["slot_correct"], out["slot_count"]]
     return torch.cat([p.float().view(-1) for p in parts])
 
 def unpack_metrics(packed):
@@ -443,7 +455,9 @@ for step, kind, r in schedule(start_step):
     elif kind == "eval":
         feats, row = next_row("eval", r)
         torch.manual_seed(args.seed + 7919 * r)      # the same held-out anchors at every eval
-        eval_sums += pack_metrics(eval_step_(feats, row, *draw_anchors(row)), torch.zeros((), device=device))
+        anchors, keep, blocks, wanted = draw_anchors(row)
+        out = eval_step_(feats, row, anchors, keep, blocks)
+        eval_sums += pack_metrics(out, wanted, torch.zeros((), device=device))
         if r == len(eval_rows) - 1:
             m = unpack_metrics(reduce_drafters(eval_sums).to("cpu", copy=True))
             eval_sums.zero_()
@@ -466,7 +480,8 @@ for step, kind, r in schedule(start_step):
         prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) if profile else None
         if prof:
             prof.__enter__()
-        out = train_step(feats, row, *draw_anchors(row))
+        anchors, keep, blocks, wanted = draw_anchors(row)
+        out = train_step(feats, row, anchors, keep, blocks)
         out["loss"].backward()
         if n_pairs > 1:
             for p in params:
@@ -491,7 +506,7 @@ for step, kind, r in schedule(start_step):
                                    "to train on the dense fallback (~17 GB per layer at 512 anchors / 8192 budget)")
             print0(f"step {step}: fused flex_attention backward verified (profiler saw {', '.join(kernels)})")
             fused_checked = True
-        train_sums += pack_metrics(out, nonfinite)
+        train_sums += pack_metrics(out, wanted, nonfinite)
         gnorm_sum += gnorm.detach().nan_to_num(0.0)
         nonfinite_rows[n_window, 0] = nonfinite                     # device copies, no host sync
         nonfinite_rows[n_window, 1:] = row["where"][:2]
@@ -501,10 +516,10 @@ for step, kind, r in schedule(start_step):
         sync()
         seconds = time.perf_counter() - t_window
         m = unpack_metrics(reduce_drafters(train_sums).to("cpu", copy=True))
-        target_ms = sum(ms(a, b) for a, b in local_forwards) / n_window if local_forwards else 0.0
-        stats = gather_stats(target_ms, peak_gib())
+        local_ms = sum(ms(a, b) for a, b in local_forwards) / n_window if local_forwards else 0.0
+        stats = gather_stats(local_ms, peak_gib())
         # world size 1: the target ran inside the wait span, so it is taken out of it
-        wait_ms = sum(ms(a, b) for a, b, _ in step_marks) / n_window - target_ms
+        wait_ms = sum(ms(a, b) for a, b, _ in step_marks) / n_window - local_ms
         drafter_ms = sum(ms(b, c) for _, b, c in step_marks) / n_window
         n_bad = int(m["nonfinite"])
         if n_bad:
@@ -516,15 +531,27 @@ for step, kind, r in schedule(start_step):
             if n_bad * 2 > n_window * n_pairs:
                 sys.exit(f"error: {n_bad} of the last {n_window} steps were non-finite; stopping. "
                          "Lower --lr or check the data")
+        rows_done = n_window * n_pairs
+        step_ms = seconds * 1e3 / n_window
+        target_ms = stats[:, 0].max().item()
         rec = dict(kind="train", step=step + 1, epoch=(step + 1) / steps_per_epoch,
-                   loss=m["loss"].item() / (n_window * n_pairs), accept=m["accept_sum"].item() / max(m["blocks"].item(), 1),
-                   lr=lr_at(step), gnorm=gnorm_sum.item() / n_window, tok_s=n_window * budget * n_pairs / seconds,
-                   ms_target=stats[:, 0].max().item(), ms_wait=wait_ms, ms_drafter=drafter_ms,
+                   loss=m["loss"].item() / rows_done, accept=m["accept_sum"].item() / max(m["blocks"].item(), 1),
+                   lr=lr_at(step), gnorm=gnorm_sum.item() / n_window,
+                   tok_s=rows_done * budget / seconds,                      # context tokens, all pairs
+                   blocks_s=m["blocks"].item() / seconds,                   # supervised draft blocks
+                   drafted_tok_s=m["slot_count"].sum().item() / seconds,    # supervised drafted tokens
+                   anchors_row=m["blocks"].item() / rows_done, row_anchors=row_anchors,
+                   anchors_cut=int(m["wanted"] - m["blocks"]),              # asked for, over the capacity
+                   pad_frac=1 - m["blocks"].item() / (rows_done * row_anchors),
+                   ms_step=step_ms, ms_target=target_ms, ms_wait=wait_ms, ms_drafter=drafter_ms,
+                   busy_target=target_ms / step_ms, busy_drafter=drafter_ms / step_ms,   # per GPU (world 1: one GPU)
                    mem_gib=stats[:, 1].tolist(),
                    graphs=torch._dynamo.utils.counters["stats"]["unique_graphs"])   # compiled on this rank so far
         log(rec, f"step {rec['step']}/{max_steps} | ep {rec['epoch']:.2f} | loss {rec['loss']:.4f} | accept "
-                 f"{rec['accept']:.3f} | lr {rec['lr']:.2e} | gnorm {rec['gnorm']:.2f} | {rec['tok_s']:.0f} tok/s | "
-                 f"ms target {rec['ms_target']:.0f} wait {wait_ms:.0f} drafter {drafter_ms:.0f} | "
+                 f"{rec['accept']:.3f} | lr {rec['lr']:.2e} | gnorm {rec['gnorm']:.2f} | {rec['tok_s']:.0f} tok/s "
+                 f"{rec['blocks_s']:.0f} blocks/s | anchors/row {rec['anchors_row']:.0f} cut {rec['anchors_cut']} "
+                 f"pad {rec['pad_frac']:.0%} | ms target {target_ms:.0f} wait {wait_ms:.0f} drafter "
+                 f"{drafter_ms:.0f} busy {rec['busy_target']:.0%} {rec['busy_drafter']:.0%} | "
                  f"mem GiB {' '.join(f'{x:.1f}' for x in rec['mem_gib'])}")
         train_sums.zero_(), gnorm_sum.zero_(), nonfinite_rows.zero_()
         step_marks, local_forwards, n_window, t_window = [], [], 0, time.perf_counter()
