@@ -5,8 +5,9 @@ Decoding", arXiv:2602.06036), in reading order:
   2) THE anchor mask_mod: which keys each block query may see (one definition for every attention path)
   3) the same mask as flex_attention BlockMask lists, in closed form
   4) the loss: weighted cross-entropy through the target's frozen LM head, chunked
-  5) the drafter: Qwen3 layers over a block [anchor, mask x (B-1)] whose keys/values also see the
-     target's fused hidden states; its training forward, the serving-side `propose`, and FLOPs
+  5) the drafter: Qwen3 layers (full or sliding-window attention, RoPE default/linear/YaRN) over a block
+     [anchor, mask x (B-1)] whose keys/values also see the target's fused hidden states; its training
+     forward, the serving-side `propose`, and FLOPs
   6) export: save/load in the z-lab format that SGLang, vLLM and z-lab/dflash load
 Notation: S context tokens in a packed row, N anchors (draft blocks) per row, B tokens per block.
 """
@@ -70,7 +71,7 @@ def anchor_mask_mod(anchors, keep, doc, S, B, window=0):
 def anchor_blocks(anchors, keep, doc, S, B, window=0, tile=128):
     """The BlockMask of anchor_mask_mod in closed form, eager and sort-free on the device: (kv_num, kv_idx,
     full_kv_num, full_kv_idx, q_num, q_idx, full_q_num, full_q_idx), exactly what create_block_mask returns
-    (test_smoke checks it). Not create_block_mask inside the compiled step: on torch 2.11 its argsort
+    (the tests check it). Not create_block_mask inside the compiled step: on torch 2.11 its argsort
     compiles to a Triton sort that takes minutes (pytorch/pytorch#182060).
     Needs each document to be one contiguous run of `doc`, as the packer writes rows: then query row r of
     anchor j (slot k = r % B) sees one interval of context, [start of a_j's document, a_j), and one of its

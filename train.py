@@ -197,9 +197,10 @@ if runs_drafter:
         sys.exit(f"error: --init-drafter {args.init_drafter} (hidden {drafter.config.hidden_size}, taps "
                  f"{drafter.config.target_layer_ids}) does not match the target (hidden {tcfg.hidden_size}, "
                  f"taps {taps})")
-    if args.init_drafter and args.sliding_window is not None and drafter.config.layer_types != dcfg.layer_types:
-        sys.exit(f"error: --sliding-window {args.sliding_window} asks for layers {dcfg.layer_types}, but "
-                 f"--init-drafter {args.init_drafter} has {drafter.config.layer_types}; drop --sliding-window")
+    layout = lambda c: (c.layer_types, c.windows())
+    if args.init_drafter and args.sliding_window is not None and layout(drafter.config) != layout(dcfg):
+        sys.exit(f"error: --sliding-window {args.sliding_window} asks for layers {layout(dcfg)}, but --init-drafter "
+                 f"{args.init_drafter} has {layout(drafter.config)}; drop --sliding-window")
     dcfg = drafter.config                 # the trained layout: the init drafter's own, when there is one
     embed, head = target.embed_tokens.weight, target.lm_head.weight
     opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, weight_decay=0.0, fused=True)  # fp32 master weights
@@ -338,7 +339,8 @@ if runs_drafter:
     print0(f"drafter: {n_params / 1e6:.1f}M params, {dcfg.num_hidden_layers} layers, block {block_size}, "
            f"mask token {dcfg.mask_token_id}, attention: {attention}")
     kinds = [f"{dcfg.layer_types.count(k)} x {k}" + (f" (window {w})" if w else "") for k, w in dcfg.windows().items()]
-    print0(f"drafter layout: {' + '.join(kinds)}, layers {dcfg.layer_types}; rope theta {dcfg.rope_theta:g}, "
+    order = " ".join(t.split("_")[0] for t in dcfg.layer_types)
+    print0(f"drafter layout: {' + '.join(kinds)}, in order {order}; rope theta {dcfg.rope_theta:g}, "
            f"scaling {dcfg.rope_scaling}")
     print0(f"self-check: {self_check}")
 print0(f"data: {data_dir} ({len(train_ds)} samples), {steps_per_epoch} steps/epoch of {n_pairs} x {budget} tokens, "
