@@ -2,9 +2,11 @@
 GPU checks and measurements (needs CUDA and fla-core; not part of the CPU test suite).
 
   python bench.py check                      # fla target == torch target on packed rows; flex step == dense step
+                                             # (train.py's start-up self-check, published and all-full layouts)
   python bench.py target --budget 8192       # qwen3.6-27b forward: ms, MFU, memory; full-attention kernels compared
   python bench.py drafter --anchors 512      # the 27B drafter's training step alone (train.py's step, random features):
                                              # compile time, ms, MFU, peak memory, fused flex backward seen
+                                             # (per layer kind; --sliding-window 0 for all full layers)
   python bench.py sweep                      # the drafter step over anchors 128..1024 x budget 4096..16384 (--shapes)
   python bench.py pair --anchors 512 --budget 8192 --steps 30
       # runs train.py itself: both roles in one process on GPU 0 (each role timed alone), then one pair on
@@ -22,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from target import Target, TargetConfig, positions_from_cu
-from model import Drafter, DrafterConfig, sample_anchors, anchor_blocks, flex_backward_kernels
+from model import Drafter, DrafterConfig, sample_anchors, block_lists, flex_backward_kernels, flex_matches_dense
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("what", choices=["check", "target", "drafter", "sweep", "pair"])
@@ -32,6 +34,8 @@ p.add_argument("--mix", choices=["short", "long"], default="short", help="pair m
                "(short) or 4-8K (long) tokens, loss on the second half of each")
 p.add_argument("--budget", type=int, default=8192, help="tokens per row")
 p.add_argument("--drafter-layers", type=int, default=5, help="drafter decoder layers")
+p.add_argument("--sliding-window", type=int, default=None, help="tokens per sliding drafter layer, all but the last "
+               "sliding (default 2048: the published Qwen3.6-27B layout); 0: all full attention")
 p.add_argument("--steps", type=int, default=30, help="training steps per train.py run (the last 10 are timed)")
 p.add_argument("--timeout", type=float, default=600, help="seconds allowed for each train.py run")
 p.add_argument("--runs", default="one,pair", help="pair mode: which train.py runs (one: 1 GPU both roles; pair: 2 GPUs)")
@@ -67,10 +71,15 @@ def row_cu(S, docs):
     cuts = np.sort(np.random.default_rng(0).choice(np.arange(64, S - 64), docs - 1, replace=False))
     return torch.tensor([0, *cuts, S])
 
-def visible(pos, anchors, keep, B):
-    # (query, key) pairs the anchor mask lets through, for the drafter's attention FLOPs: each of an anchor's B
-    # rows sees its document's past (pos[anchor] keys) and its own block (B keys)
-    return B * ((pos[anchors] + B) * keep).sum().item()
+def visible(dcfg, pos, anchors, keep):
+    # {layer kind: (query, key) pairs its mask lets through}, for the drafter's attention FLOPs. Full: each of an
+    # anchor's B rows sees its document's past (pos[anchor] keys) and its own block (B keys). Sliding window W:
+    # the row at position q sees the positions max(0, q-W+1)..q, all present (context, then block), so min(q+1, W)
+    B = dcfg.block_size
+    q = pos[anchors][:, None] + torch.arange(B, device=pos.device)      # [N, B] query positions
+    full = (pos[anchors][:, None] + B).expand(-1, B)
+    return {kind: (((q + 1).clamp(max=w) if w else full) * keep[:, None]).sum().item()
+            for kind, w in dcfg.windows().items()}
 
 def doc_pos(cu):
     # boundaries -> (document id, position in document) per token, on the GPU, as a packed row carries them
@@ -89,30 +98,14 @@ if args.what == "check":
     errs = [rel(out[:, i], ref[:, i]) for i in range(4)]
     print(f"fla (bf16) vs torch (fp32) target features, 3 packed docs, per layer rel err: {['%.2e' % e for e in errs]}")
     assert max(errs) < 3e-2, "fla path disagrees with the torch path"
-    # 2) the compiled flex BlockMask step against the dense-mask SDPA step: loss and every gradient
-    tcfg = TargetConfig.preset("tiny")
-    dcfg = DrafterConfig.from_target(tcfg, n_feat=3, num_attention_heads=8, num_key_value_heads=2, head_dim=64)
-    S, N = 512, 24
-    cu = torch.tensor([0, 100, 260, 400, 512])
-    tokens = torch.randint(1, 500, (S,), device=dev)
-    doc, pos = doc_pos(cu)
-    lm = (torch.rand(S, device=dev) < 0.8).long()
-    feats = torch.randn(S, 3 * 64, device=dev)
-    tgt = Target.build(tcfg, device=dev)
-    anchors, keep, _ = sample_anchors(lm, doc, S, N)
-    keep[-3:] = False                                             # padded slots too
-    blocks = anchor_blocks(anchors, keep, doc, S, dcfg.block_size)
-    res = {}
-    for name, flex in (("dense", None), ("flex", {})):
-        torch.manual_seed(0)
-        d = Drafter(dcfg).to(dev)
-        fn = lambda: d(feats, tokens, lm, doc, pos, anchors, keep, tgt.embed_tokens.weight, tgt.lm_head.weight, 7.0, flex, blocks)
-        out = (torch.compile(fn, fullgraph=True) if flex is not None else fn)()
-        out["loss"].backward()
-        res[name] = (out["loss"].detach(), {n: q.grad for n, q in d.named_parameters()})
-    gerr = max(rel(res["flex"][1][n], res["dense"][1][n]) for n in res["dense"][1])
-    print(f"flex vs dense drafter step: loss {res['flex'][0].item():.6f} vs {res['dense'][0].item():.6f}, max grad rel err {gerr:.2e}")
-    assert abs(res["flex"][0] - res["dense"][0]) < 1e-4 and gerr < 1e-3, "flex BlockMask path disagrees with the dense path"
+    # 2) the compiled flex BlockMask step against the dense-mask SDPA step (train.py's start-up self-check):
+    # loss and every gradient, the published layout (sliding + full layers) and all full
+    for window in (2048, 0):
+        dcfg = DrafterConfig.from_target(TargetConfig.preset("qwen3.6-27b"), sliding_window=window)
+        loss_err, grad_err, seconds = flex_matches_dense(dcfg, dev)
+        print(f"flex vs dense drafter step, layers {dcfg.layer_types}: loss rel err {loss_err:.1e}, "
+              f"max grad rel err {grad_err:.1e}, {seconds:.0f} s")
+        assert loss_err < 1e-3 and grad_err < 1e-3, "flex BlockMask path disagrees with the dense path"
     print("check: OK")
 
 elif args.what == "target":
@@ -164,7 +157,7 @@ elif args.what == "target":
 elif args.what in ("drafter", "sweep"):
     peak = matmul_peak()
     tcfg = TargetConfig.preset("qwen3.6-27b")
-    dcfg = DrafterConfig.from_target(tcfg, num_hidden_layers=args.drafter_layers)
+    dcfg = DrafterConfig.from_target(tcfg, num_hidden_layers=args.drafter_layers, sliding_window=args.sliding_window)
     tgt = Target.build(tcfg, device=dev, dtype=torch.bfloat16, n_layers=0)      # embed_tokens + lm_head only
     torch.manual_seed(0)
     d = Drafter(dcfg).to(dev)
@@ -185,7 +178,7 @@ elif args.what in ("drafter", "sweep"):
         graph = torch.compile(graph, fullgraph=True, dynamic=False)
         def step():
             anchors, keep, _ = sample_anchors(lm, doc, S, N)     # N per row, from any document
-            out = graph(anchors, keep, anchor_blocks(anchors, keep, doc, S, B))
+            out = graph(anchors, keep, block_lists(dcfg, anchors, keep, doc, S))
             out["loss"].backward()
             torch.nn.utils.clip_grad_norm_(d.parameters(), 1.0)
             opt.step()
@@ -197,16 +190,17 @@ elif args.what in ("drafter", "sweep"):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             step()
             torch.cuda.synchronize()
-        kernels, fused = flex_backward_kernels(prof)
+        kernels, fused = flex_backward_kernels(prof, kinds=len(dcfg.windows()))
         torch.cuda.reset_peak_memory_stats()
         ms = bench_ms(step)
-        fl = d.flops(S, N, visible(pos, *sample_anchors(lm, doc, S, N)[:2], B))
-        return compile_s, ms, fl, torch.cuda.max_memory_allocated() / 2**30, kernels[0] if fused else "NOT SEEN"
+        fl = d.flops(S, N, visible(dcfg, pos, *sample_anchors(lm, doc, S, N)[:2]))
+        seen = ", ".join(k for k in kernels if "_tem_" in k)
+        return compile_s, ms, fl, torch.cuda.max_memory_allocated() / 2**30, seen if fused else f"NOT SEEN ({seen})"
 
     grid = ([(args.anchors, args.budget)] if args.what == "drafter" else
             [tuple(map(int, x.split("x"))) for x in args.shapes.split(",")])
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | matmul peak {peak / 1e12:.0f} TFLOP/s | "
-          f"drafter layers {args.drafter_layers} | {time.strftime('%Y-%m-%d')}")
+          f"drafter layers {dcfg.layer_types} window {dcfg.sliding_window} | {time.strftime('%Y-%m-%d')}")
     print("| anchors | budget | compile s | step ms | TFLOP | MFU | peak GiB | fused flex backward |\n|---|---|---|---|---|---|---|---|")
     for N, S in grid:
         try:
@@ -234,6 +228,8 @@ else:
               "--drafter-layers", str(args.drafter_layers), "--max-steps", str(args.steps),
               "--log-interval", str(max(1, args.steps // 3)), "--eval-interval", "100000",
               "--save-interval", "100000", "--eval-rows", "1"]
+    if args.sliding_window is not None:
+        common += ["--sliding-window", str(args.sliding_window)]
     runs = {"one": [sys.executable] + common, "pair": ["torchrun", "--nproc_per_node=2"] + common}
     recs = {}
     for name in args.runs.split(","):
@@ -259,7 +255,7 @@ else:
             recs[name] = lines[max(1, len(lines) - 2)] if len(lines) > 2 else lines[-1]
     peak = matmul_peak()
     tcfg = TargetConfig.preset("qwen3.6-27b")
-    dcfg = DrafterConfig.from_target(tcfg, num_hidden_layers=args.drafter_layers)
+    dcfg = DrafterConfig.from_target(tcfg, num_hidden_layers=args.drafter_layers, sliding_window=args.sliding_window)
     with torch.device("meta"):
         tmeta, dmeta = Target(tcfg, n_layers=max(dcfg.target_layer_ids) + 1, head=False), Drafter(dcfg)
     S = args.budget
@@ -268,7 +264,7 @@ else:
     doc, pos = doc_pos(cu)
     def drafter_flops(rec):   # at the compiled shape: every anchor slot of the row goes through the matmuls
         N = rec["row_anchors"]
-        return dmeta.flops(S, N, visible(pos, *sample_anchors(torch.ones(S, device=dev), doc, S, N)[:2], 16))
+        return dmeta.flops(S, N, visible(dcfg, pos, *sample_anchors(torch.ones(S, device=dev), doc, S, N)[:2]))
     print(f"\n{torch.cuda.get_device_name()} | torch {torch.__version__} | matmul peak {peak / 1e12:.0f} TFLOP/s | "
           f"--anchors {args.anchors} --row-anchors {args.row_anchors} --budget {S} | {args.mix} documents | "
           f"drafter layers {args.drafter_layers} | {time.strftime('%Y-%m-%d')}")

@@ -5,20 +5,23 @@ Decoding", arXiv:2602.06036), in reading order:
   2) THE anchor mask_mod: which keys each block query may see (one definition for every attention path)
   3) the same mask as flex_attention BlockMask lists, in closed form
   4) the loss: weighted cross-entropy through the target's frozen LM head, chunked
-  5) the drafter: Qwen3 layers over a block [anchor, mask x (B-1)] whose keys/values also see the
-     target's fused hidden states; its training forward, the serving-side `propose`, and FLOPs
+  5) the drafter: Qwen3 layers (full or sliding-window attention, RoPE default/linear/YaRN) over a block
+     [anchor, mask x (B-1)] whose keys/values also see the target's fused hidden states; its training
+     forward, the serving-side `propose`, and FLOPs
   6) export: save/load in the z-lab format that SGLang, vLLM and z-lab/dflash load
 Notation: S context tokens in a packed row, N anchors (draft blocks) per row, B tokens per block.
 """
 import json
+import math
 import os
+import time
 from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from target import MLP, RMSNorm, apply_rope, rope_cos_sin
+from target import MLP, RMSNorm, apply_rope
 
 # -----------------------------------------------------------------------------
 # 1) anchors
@@ -56,50 +59,66 @@ def sample_anchors(loss_mask, doc, per_doc, capacity):
 # -----------------------------------------------------------------------------
 # 2) the mask
 
-def anchor_mask_mod(anchors, keep, doc, S, B):
+def anchor_mask_mod(anchors, keep, doc, S, B, window=0):
     """THE training mask, in flex_attention's mask_mod form. KV = [context (S) | block_0 .. block_{N-1}],
     Q = the blocks. A query of block j sees context kv < anchor_j in the anchor's document (strictly before:
     the anchor's own hidden state does not exist yet at serving time), plus all B keys of its own block in
     both directions. Padded slots (keep False) see nothing. Indices are clamped because flex also evaluates
-    padded tiles past Q_LEN/KV_LEN. Every per-step value is a device tensor, so nothing recompiles."""
+    padded tiles past Q_LEN/KV_LEN. Every per-step value is a device tensor, so nothing recompiles.
+    window > 0 (a sliding_attention layer) further keeps, as SGLang, vLLM and SpecForge serve and train it,
+    only keys at most window-1 positions before the query and none after it: the query at anchor+k sees
+    context from anchor+k-(window-1) and block slots k-(window-1)..k (causal in the block). The window is a
+    run constant (a Python int, part of the compiled graph)."""
     N = anchors.shape[0]
     def mask_mod(b, h, q_idx, kv_idx):
         j = (q_idx // B).clamp(max=N - 1)
         a = anchors[j]
         context = (kv_idx < a) & (doc[kv_idx.clamp(max=S - 1)] == doc[a])
         own_block = (kv_idx >= S) & ((kv_idx - S) // B == j)
-        return (context | own_block) & keep[j]
+        allowed = (context | own_block) & keep[j]
+        if window:
+            q_at = a + q_idx % B                                         # row index of the query's position
+            kv_at = torch.where(kv_idx < S, kv_idx, a + (kv_idx - S) % B)  # and of the key's
+            allowed = allowed & (kv_at <= q_at) & (q_at - kv_at < window)
+        return allowed
     return mask_mod
 
 # -----------------------------------------------------------------------------
 # 3) the mask as BlockMask lists
 
-def anchor_blocks(anchors, keep, doc, S, B, tile=128):
+def anchor_blocks(anchors, keep, doc, S, B, window=0, tile=128):
     """The BlockMask of anchor_mask_mod in closed form, eager and sort-free on the device: (kv_num, kv_idx,
     full_kv_num, full_kv_idx, q_num, q_idx, full_q_num, full_q_idx), exactly what create_block_mask returns
-    (test_smoke checks it). Not create_block_mask inside the compiled step: on torch 2.11 its argsort
+    (the tests check it). Not create_block_mask inside the compiled step: on torch 2.11 its argsort
     compiles to a Triton sort that takes minutes (pytorch/pytorch#182060).
     Needs each document to be one contiguous run of `doc`, as the packer writes rows: then query row r of
-    anchor j sees the interval [start of a_j's document, a_j) of context and its own B keys."""
+    anchor j (slot k = r % B) sees one interval of context, [start of a_j's document, a_j), and one of its
+    own block, all B keys; a sliding window (window > 0) raises the context start to a_j + k - (window-1)
+    and makes the block part [k - (window-1), k]."""
     N, dev = anchors.shape[0], anchors.device
     Q, KV = N * B, S + N * B
     t = torch.arange(S, device=dev)
     new_doc = torch.ones(S, dtype=torch.bool, device=dev)
     new_doc[1:] = doc[1:] != doc[:-1]
     doc_start = torch.where(new_doc, t, 0).cummax(0).values             # first position of each token's document
-    j = torch.arange(-(-Q // tile) * tile, device=dev) // B              # anchor of each (tile-padded) query row
-    real = (j < N)[:, None]
+    r = torch.arange(-(-Q // tile) * tile, device=dev)[:, None]         # (tile-padded) query rows
+    j, k = r // B, r % B                                                 # their anchor and block slot
+    real = j < N
     j = j.clamp(max=N - 1)
-    a, kept = anchors[j][:, None], keep[j][:, None]
-    lo, hi, blo = doc_start[a], a, S + B * j[:, None]                    # context [lo, hi), own block [blo, blo+B)
+    a, kept = anchors[j], keep[j]
+    lo, hi = doc_start[a], a                                             # context [lo, hi)
+    blo, bhi = S + B * j, S + B * j + B                                  # own block [blo, bhi)
+    if window:
+        lo = lo.maximum(a + k - (window - 1))
+        blo, bhi = blo + (k - (window - 1)).clamp(min=0), blo + k + 1
     k0 = torch.arange(0, KV, tile, device=dev)[None, :]                  # first key of each kv tile
     k1 = k0 + tile
     sees_context = lo.maximum(k0) < hi.minimum(k1)
-    sees_block = blo.maximum(k0) < (blo + B).minimum(k1)
+    sees_block = blo.maximum(k0) < bhi.minimum(k1)
     hit = kept & real & (sees_context | sees_block)
     ctx_end, blk_start = k1.clamp(max=S), k0.clamp(min=S)   # a tile is [k0, ctx_end) context, [blk_start, k1) blocks
     context_full = (k0 >= ctx_end) | ((lo <= k0) & (ctx_end <= hi))
-    block_full = (blk_start >= k1) | ((blo <= blk_start) & (k1 <= blo + B))
+    block_full = (blk_start >= k1) | ((blo <= blk_start) & (k1 <= bhi))
     full = kept & real & context_full & block_full
     R = hit.shape[0] // tile
     hit = hit.view(R, tile, -1).any(1)                                   # [q tiles, kv tiles]
@@ -153,6 +172,12 @@ def default_target_layer_ids(n_target_layers, n_feat):
         return [n_target_layers // 2]
     return [int(round(1 + i * (n_target_layers - 4) / (n_feat - 1))) for i in range(n_feat)]
 
+FULL, SLIDING = "full_attention", "sliding_attention"     # the layer kinds of HF layer_types a drafter has
+ROPE_TYPES = ("default", "linear", "yarn")               # HF rope_type values the drafter's RoPE computes
+
+def rope_type(rope_scaling):
+    return "default" if not rope_scaling else rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+
 @dataclass
 class DrafterConfig:
     hidden_size: int = 5120             # must equal the target's hidden size (block embeddings are the target's)
@@ -170,9 +195,47 @@ class DrafterConfig:
     max_position_embeddings: int = 262144
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False   # copied from the target (informational)
+    layer_types: list = None            # per layer FULL or SLIDING (None: all FULL)
+    sliding_window: int = None          # tokens a SLIDING layer's query sees, itself included (HF meaning)
+    use_sliding_window: bool = None     # HF Qwen3Config's switch (None: True iff a layer slides)
+    max_window_layers: int = None       # HF Qwen3Config field, kept for export (explicit layer_types rule)
+    rope_scaling: dict = None           # HF rope_scaling: None (plain RoPE) or {"rope_type": "linear"/"yarn", ...}
+
+    def __post_init__(self):
+        L = self.num_hidden_layers
+        self.layer_types = list(self.layer_types or [FULL] * L)
+        slides = SLIDING in self.layer_types
+        if self.use_sliding_window is None:
+            self.use_sliding_window = slides
+        if self.max_window_layers is None:
+            self.max_window_layers = L
+        bad = [t for t in self.layer_types if t not in (FULL, SLIDING)]
+        kind, s = rope_type(self.rope_scaling), self.rope_scaling or {}
+        factor = s.get("factor")
+        checks = [
+            (len(self.layer_types) == L, f"layer_types has {len(self.layer_types)} entries for {L} layers"),
+            (not bad, f"layer_types: {bad[0] if bad else ''!r} is not supported ({FULL} or {SLIDING})"),
+            (not slides or (type(self.sliding_window) is int and self.sliding_window > 0),
+             f"sliding_window {self.sliding_window!r}: sliding layers need a positive window (tokens)"),
+            (not slides or self.use_sliding_window, "use_sliding_window is false but layer_types has sliding "
+             "layers (HF then drops sliding_window)"),
+            (kind in ROPE_TYPES, f"rope_scaling: rope_type {kind!r} is not supported ({', '.join(ROPE_TYPES)})"),
+            (kind == "default" or (isinstance(factor, (int, float)) and factor > 0),
+             f"rope_scaling: {kind} needs a positive factor, got {factor!r}"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(msg)
+
+    def windows(self):
+        """{layer kind: window} for the kinds present (0: full attention), the masks one step builds."""
+        return {t: self.sliding_window if t == SLIDING else 0 for t in sorted(set(self.layer_types))}
 
     @classmethod
-    def from_target(cls, t, n_feat=5, **overrides):
+    def from_target(cls, t, n_feat=5, sliding_window=None, **overrides):
+        """sliding_window: tokens per sliding layer, all layers but the last sliding as in the published z-lab
+        drafters; 0 for all full attention; None: 2048 for the Qwen3.5/3.6-27B geometry (z-lab's
+        Qwen3.6-27B-DFlash: 4 x sliding 2048 + 1 full), else 0."""
         toy = t.hidden_size < 1024   # toy drafters (CPU demo) get small attention instead of 32 heads of 128
         known_mask = {248320: 248070, 151936: 151669}   # published z-lab mask ids for Qwen3.5/3.6 and Qwen3
         kw = dict(hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
@@ -184,7 +247,72 @@ class DrafterConfig:
                   vocab_size=t.vocab_size, rope_theta=t.rope_theta, max_position_embeddings=t.max_position_embeddings,
                   rms_norm_eps=t.rms_norm_eps, tie_word_embeddings=t.tie_word_embeddings)
         kw.update({k: v for k, v in overrides.items() if v is not None})
+        if sliding_window is None:
+            sliding_window = 2048 if (t.num_hidden_layers, t.hidden_size) == (64, 5120) else 0
+        if sliding_window < 0:
+            raise ValueError(f"sliding window {sliding_window}: tokens, or 0 for all full attention")
+        L = kw.get("num_hidden_layers", cls.num_hidden_layers)
+        if sliding_window and L > 1:
+            kw.update(layer_types=[SLIDING] * (L - 1) + [FULL], sliding_window=sliding_window)
         return cls(**kw)
+
+def rope_inv_freq(c, device=None):
+    """RoPE inverse frequencies [head_dim/2] and the factor cos and sin are multiplied by, exactly as
+    transformers 5.x modeling_rope_utils.py computes them for rope_type default, linear and yarn (YaRN: Peng
+    et al., arXiv:2309.00071; the explicit factor wins over max_position_embeddings/original, as in v5)."""
+    dim, theta, s, kind = c.head_dim, c.rope_theta, c.rope_scaling or {}, rope_type(c.rope_scaling)
+    pos_freqs = theta ** (torch.arange(0, dim, 2, device=device).float() / dim)
+    if kind == "default":
+        return 1.0 / pos_freqs, 1.0
+    factor = s["factor"]
+    if kind == "linear":
+        return 1.0 / pos_freqs / factor, 1.0
+    original = s.get("original_max_position_embeddings") or c.max_position_embeddings
+    mscale = lambda m=1: 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+    scale = s.get("attention_factor")
+    if scale is None:
+        both = s.get("mscale") and s.get("mscale_all_dim")
+        scale = mscale(s["mscale"]) / mscale(s["mscale_all_dim"]) if both else mscale()
+    # pair i keeps its frequency below `low` rotations-wise (extrapolation), is divided by factor above
+    # `high` (interpolation), and ramps linearly between
+    corr = lambda rotations: dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+    low, high = corr(s.get("beta_fast") or 32), corr(s.get("beta_slow") or 1)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, device=device).float() - low) / (high - low)).clamp(0, 1)
+    extrapolate = 1 - ramp
+    inv_freq = 1.0 / (factor * pos_freqs) * (1 - extrapolate) + 1.0 / pos_freqs * extrapolate
+    return inv_freq, float(scale)
+
+def drafter_rope(pos, c):
+    # NeoX-style cos, sin [T, head_dim] in fp32 at positions pos [T], with c's rope_scaling
+    inv_freq, scale = rope_inv_freq(c, pos.device)
+    angles = pos.float()[:, None] * inv_freq[None, :]
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos() * scale, angles.sin() * scale
+
+def _dense_attention(allowed):
+    # allowed [Q, KV] bool, or None for every key
+    def attend(q, k, v):
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
+        if allowed is None:
+            return o
+        return o.masked_fill(~allowed.any(-1)[:, None], 0.0)       # padded slots: zeros, as flex gives
+    return attend
+
+def _flex_attention(block_mask, kernel_options):
+    from torch.nn.attention.flex_attention import flex_attention
+    def attend(q, k, v):
+        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True, kernel_options=kernel_options or None)
+    return attend
+
+def block_lists(config, anchors, keep, doc, S):
+    """{layer kind: anchor_blocks(...)}: the BlockMask lists of each mask a step uses, built before the graph."""
+    return {kind: anchor_blocks(anchors, keep, doc, S, config.block_size, window)
+            for kind, window in config.windows().items()}
 
 class DrafterAttention(nn.Module):
     """Qwen3 attention whose keys/values are [context ; block] and whose queries are the block."""
@@ -233,14 +361,15 @@ class Drafter(nn.Module):
                 nn.init.normal_(p, std=0.02)
 
     def hidden(self, feats, ctx_pos, block_emb, block_pos, attend):
-        """feats [S, n_feat*H] target features, block_emb [Q, H], positions for RoPE -> [Q, H] (final-normed)."""
+        """feats [S, n_feat*H] target features, block_emb [Q, H], positions for RoPE, attend {layer kind:
+        attention function} -> [Q, H] (final-normed)."""
         c = self.config
         ctx = self.hidden_norm(self.fc(feats))          # the same fused context feeds k/v of every layer
-        rope_q = rope_cos_sin(block_pos, c.head_dim, c.rope_theta)
-        rope_kv = rope_cos_sin(torch.cat([ctx_pos, block_pos]), c.head_dim, c.rope_theta)
+        rope_q = drafter_rope(block_pos, c)
+        rope_kv = drafter_rope(torch.cat([ctx_pos, block_pos]), c)
         h = block_emb.to(ctx.dtype)
-        for layer in self.layers:
-            h = layer(h, ctx, rope_q, rope_kv, attend)
+        for layer, kind in zip(self.layers, c.layer_types):
+            h = layer(h, ctx, rope_q, rope_kv, attend[kind])
         return self.norm(h)
 
     def forward(self, feats, tokens, loss_mask, doc, pos, anchors, keep, embed, head, gamma=7.0, flex=None,
@@ -248,7 +377,7 @@ class Drafter(nn.Module):
         """Masked training forward over one packed row. feats [S, n_feat*H] target features;
         tokens/loss_mask/doc/pos [S]; anchors/keep [N] from sample_anchors; embed/head the target's frozen
         weights [vocab, H]. flex: None -> dense boolean mask + SDPA (CPU); else a dict of flex_attention
-        kernel options (GPU), with blocks = anchor_blocks(...) computed before the compiled graph.
+        kernel options (GPU), with blocks = block_lists(...) computed before the compiled graph.
         Returns a dict of device tensors: the loss and the sums behind acceptance and per-slot accuracy."""
         c, S, N, B = self.config, tokens.shape[0], anchors.shape[0], self.config.block_size
         dev = tokens.device
@@ -258,18 +387,17 @@ class Drafter(nn.Module):
         idx = idx.clamp(max=S - 1)
         is_anchor = (k == 0) & keep[:, None]
         block_ids = tokens[anchors][:, None].expand(N, B).masked_fill(~is_anchor, c.mask_token_id)  # [N, B]
-        mask_mod = anchor_mask_mod(anchors, keep, doc, S, B)
-        if flex is None:
-            q_idx = torch.arange(N * B, device=dev)[:, None]
-            allowed = mask_mod(0, 0, q_idx, torch.arange(S + N * B, device=dev)[None, :])  # [Q, KV]
-            def attend(q, k_, v):
-                o = F.scaled_dot_product_attention(q, k_, v, attn_mask=allowed, enable_gqa=True)
-                return o.masked_fill(~allowed.any(-1)[:, None], 0.0)   # padded slots: zeros, as flex gives
-        else:
-            from torch.nn.attention.flex_attention import BlockMask, flex_attention
-            bm = BlockMask((N * B, S + N * B), *blocks, BLOCK_SIZE=(128, 128), mask_mod=mask_mod)
-            def attend(q, k_, v):
-                return flex_attention(q, k_, v, block_mask=bm, enable_gqa=True, kernel_options=flex or None)
+        attend = {}                                     # one mask per layer kind present, shared by its layers
+        for kind, window in c.windows().items():
+            mask_mod = anchor_mask_mod(anchors, keep, doc, S, B, window)
+            if flex is None:
+                q_idx = torch.arange(N * B, device=dev)[:, None]
+                allowed = mask_mod(0, 0, q_idx, torch.arange(S + N * B, device=dev)[None, :])  # [Q, KV]
+                attend[kind] = _dense_attention(allowed)
+            else:
+                from torch.nn.attention.flex_attention import BlockMask
+                bm = BlockMask((N * B, S + N * B), *blocks[kind], BLOCK_SIZE=(128, 128), mask_mod=mask_mod)
+                attend[kind] = _flex_attention(bm, flex)
         block_pos = (pos[anchors][:, None] + k).view(-1)                  # RoPE positions anchor..anchor+B-1
         h = self.hidden(feats, pos, F.embedding(block_ids.view(-1), embed), block_pos, attend)
         # labels: block slot k predicts the token AT anchor+k (no extra shift); slot 0 is the anchor itself
@@ -287,24 +415,31 @@ class Drafter(nn.Module):
     @torch.no_grad()
     def propose(self, ctx_feats, ctx_pos, anchor_token, anchor_pos, embed, head):
         """What a serving engine runs: context = target features of the positions before the anchor, block =
-        [anchor, mask x (B-1)] at positions anchor_pos.., no mask at all. Returns (B-1 tokens, their logits)."""
+        [anchor, mask x (B-1)] at positions anchor_pos... Full layers: every key, no mask. Sliding layers, as
+        SGLang (models/dflash.py: DECODER attention, window sliding_window-1 keys left of the query) and vLLM
+        (models/qwen3_dflash.py: causal iff sliding; flash-attn window (W-1, 0)) run them: a key at position
+        p is seen by the query at q iff q - (W-1) <= p <= q. Returns (B-1 tokens, their logits)."""
         c = self.config
         block = torch.full((c.block_size,), c.mask_token_id, dtype=torch.long, device=ctx_feats.device)
         block[0] = anchor_token
         block_pos = anchor_pos + torch.arange(c.block_size, device=ctx_feats.device)
-        attend = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        q_at, kv_at = block_pos[:, None], torch.cat([ctx_pos, block_pos])[None, :]
+        attend = {kind: _dense_attention((kv_at <= q_at) & (q_at - kv_at < window) if window else None)
+                  for kind, window in c.windows().items()}
         h = self.hidden(ctx_feats, ctx_pos, F.embedding(block, embed), block_pos, attend)
         logits = (h[1:] @ head.t()).float()
         return logits.argmax(-1), logits
 
-    def flops(self, S, N, visible=0):
-        """Matmul FLOPs of one training step (fwd + bwd) at S context tokens and N anchors. visible: the (query,
-        key) pairs the anchor mask lets through, for the attention FLOPs (data dependent; 0 leaves them out)."""
+    def flops(self, S, N, visible=None):
+        """Matmul FLOPs of one training step (fwd + bwd) at S context tokens and N anchors. visible: {layer kind:
+        the (query, key) pairs its mask lets through}, for the attention FLOPs (data dependent; None leaves
+        them out)."""
         c, Q = self.config, N * self.config.block_size
         q_o_mlp = c.hidden_size * (2 * c.num_attention_heads * c.head_dim + 3 * c.intermediate_size)
         kv = 2 * c.hidden_size * c.num_key_value_heads * c.head_dim
         fwd = 2 * c.num_hidden_layers * (Q * q_o_mlp + (S + Q) * kv)
-        attn = 4 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * visible       # QK^T and PV
+        pairs = sum((visible or {}).get(kind, 0) for kind in c.layer_types)
+        attn = 4 * c.num_attention_heads * c.head_dim * pairs                               # QK^T and PV
         fc = 2 * S * self.fc.in_features * c.hidden_size        # its input needs no gradient: fwd + dW only
         head = 2 * Q * c.vocab_size * c.hidden_size
         return 3 * (fwd + attn) + 2 * fc + 2 * head     # trainable GEMMs: fwd + 2x bwd; frozen head: logits + dh
@@ -324,10 +459,10 @@ class Drafter(nn.Module):
                    intermediate_size=c.intermediate_size, num_hidden_layers=c.num_hidden_layers,
                    num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
                    head_dim=c.head_dim, hidden_act="silu", attention_bias=False, attention_dropout=0.0,
-                   rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta, rope_scaling=None,
-                   max_position_embeddings=c.max_position_embeddings,
-                   layer_types=["full_attention"] * c.num_hidden_layers, use_sliding_window=False,
-                   sliding_window=None, max_window_layers=c.num_hidden_layers, vocab_size=c.vocab_size,
+                   rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta, rope_scaling=c.rope_scaling,
+                   max_position_embeddings=c.max_position_embeddings, layer_types=list(c.layer_types),
+                   use_sliding_window=c.use_sliding_window, sliding_window=c.sliding_window,
+                   max_window_layers=c.max_window_layers, vocab_size=c.vocab_size,
                    tie_word_embeddings=c.tie_word_embeddings, initializer_range=0.02, dtype="bfloat16",
                    torch_dtype="bfloat16", use_cache=True)
         tensors = {k: v.detach().to(torch.bfloat16).contiguous().cpu() for k, v in self.state_dict().items()}
@@ -340,25 +475,121 @@ class Drafter(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path, device="cpu", dtype=torch.float32):
+        """Loads a z-lab format drafter. A config field this drafter cannot honour is a ValueError naming it."""
         from safetensors.torch import load_file
         with open(os.path.join(path, "config.json")) as f:
             cfg = json.load(f)
-        dflash = cfg.get("dflash_config", {})
-        names = {f.name for f in fields(DrafterConfig)}
-        kw = {k: v for k, v in cfg.items() if k in names}
-        kw.update(block_size=dflash.get("block_size", cfg.get("block_size", 16)),
-                  mask_token_id=dflash["mask_token_id"], target_layer_ids=dflash["target_layer_ids"])
-        model = cls(DrafterConfig(**kw))
+        try:
+            config = config_from_json(cfg)
+        except ValueError as e:
+            raise ValueError(f"{os.path.join(path, 'config.json')}: {e}") from None
+        model = cls(config)
         model.load_state_dict(load_file(os.path.join(path, "model.safetensors")))   # strict: exact key set
         return model.to(device=device, dtype=dtype)
 
-# -----------------------------------------------------------------------------
-# the check that flex_attention's backward really is the fused kernel (train.py, bench.py)
+def config_from_json(cfg):
+    """DrafterConfig of a z-lab config.json dict (HF Qwen3Config fields + dflash_config). RoPE is read from either
+    spelling: transformers 4.x `rope_scaling` + top-level `rope_theta` (z-lab's), or 5.x `rope_parameters`."""
+    dflash = cfg.get("dflash_config", {})
+    names = {f.name for f in fields(DrafterConfig)}
+    kw = {k: v for k, v in cfg.items() if k in names}
+    kw.update(block_size=dflash.get("block_size", cfg.get("block_size", 16)),
+              mask_token_id=dflash["mask_token_id"], target_layer_ids=dflash["target_layer_ids"])
+    rope = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})   # 5.x: rope_scaling or rope_parameters
+    theta = rope.pop("rope_theta", cfg.get("rope_theta"))
+    rotary = rope.pop("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    kw.update(rope_theta=theta, rope_scaling=rope if rope_type(rope) != "default" else None)
+    if "layer_types" not in cfg:    # HF Qwen3Config's rule: sliding from layer max_window_layers on, if enabled
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+        first = cfg.get("max_window_layers", 28)
+        kw["layer_types"] = [SLIDING if window is not None and i >= first else FULL
+                             for i in range(cfg["num_hidden_layers"])]
+    causal = cfg.get("is_causal", dflash.get("causal"))    # vLLM: an explicit value applies to every layer
+    kinds = set(kw["layer_types"])
+    checks = [
+        (theta is not None, "no rope_theta (top level or in rope_parameters)"),
+        (not (set(rope) & {FULL, SLIDING}), "rope_parameters per layer type are not supported"),
+        (cfg.get("hidden_act", "silu") == "silu", f"hidden_act {cfg.get('hidden_act')!r}: only silu is supported"),
+        (not cfg.get("attention_bias"), "attention_bias true is not supported (q/k/v/o have no bias)"),
+        (not cfg.get("attention_dropout"), f"attention_dropout {cfg.get('attention_dropout')}: not supported "
+         "(the drafter trains without dropout)"),
+        (rotary == 1.0, f"partial_rotary_factor {rotary}: only 1.0 is supported"),
+        (rope_type(rope) != "yarn" or "original_max_position_embeddings" not in cfg,
+         "a top-level original_max_position_embeddings is not supported; put it in rope_scaling"),
+        (causal is None or kinds == {SLIDING if causal else FULL}, f"is_causal / dflash_config.causal {causal}: "
+         f"this drafter trains sliding layers causal and full layers bidirectional, as the engines serve "
+         f"layer_types {sorted(kinds)}"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise ValueError(msg)
+    return DrafterConfig(**kw)
 
-def flex_backward_kernels(prof):
-    """Names of the flex_attention backward kernels a torch.profiler run saw, the fused one first, and
-    whether it was the fused inductor template (triton_tem_fused_flex_attention_backward_*). Outside a
-    compiled graph flex runs a dense math backward instead (~17 GB per layer at 512 anchors / 8192)."""
+# -----------------------------------------------------------------------------
+# the checks that flex_attention really computes THE mask, with the fused backward (train.py, bench.py)
+
+def flex_backward_kernels(prof, kinds=1):
+    """Names of the flex_attention backward kernels a torch.profiler run saw, the fused ones first, and
+    whether the fused inductor template (triton_tem_fused_flex_attention_backward_*) ran for all `kinds`
+    masks (each mask_mod compiles its own). Outside a compiled graph flex runs a dense math backward instead
+    (~17 GB per layer at 512 anchors / 8192)."""
     names = {e.name for e in prof.events() if "flex_attention_backward" in e.name}
     names = sorted(names, key=lambda n: "_tem_" not in n)
-    return names, any("_tem_" in n for n in names)
+    return names, sum("_tem_" in n for n in names) >= kinds
+
+def flex_matches_dense(config, device, kernel_options=None, candidate=None):
+    """The start-up self-check: one training step (loss and every gradient) of a small drafter with config's
+    head geometry, block size, RoPE and layer kinds (one layer of each; the window cut to 100 tokens so that
+    it binds), compiled flex_attention vs the dense mask + SDPA path, in fp32 without TF32, on a 512-token row
+    of 3 documents with padded anchor slots. A torch whose flex backward is silently wrong fails it (one such
+    bug: BlockMask index lists with wrong strides gave 60% wrong dK/dV). Leaves the RNG and dynamo's graph
+    count as it found them. candidate(drafter, inputs) replaces the compiled flex step (tests on CPU).
+    Returns (loss rel err, max over parameters of the gradient rel err, seconds)."""
+    t0 = time.perf_counter()
+    S, N, lens = 512, 24, (150, 230, 132)
+    c = DrafterConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=len(config.windows()),
+                      num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_key_value_heads,
+                      head_dim=config.head_dim, target_layer_ids=[0, 1], num_target_layers=2,
+                      block_size=config.block_size, mask_token_id=255, vocab_size=256, rope_theta=config.rope_theta,
+                      max_position_embeddings=config.max_position_embeddings, rms_norm_eps=config.rms_norm_eps,
+                      layer_types=list(config.windows()), rope_scaling=config.rope_scaling,
+                      sliding_window=min(config.sliding_window, 100) if SLIDING in config.layer_types else None)
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    devices = [device] if torch.device(device).type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(0)
+        doc = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)).to(device)
+        pos = torch.cat([torch.arange(n) for n in lens]).to(device)
+        tokens = torch.randint(0, 255, (S,), device=device)
+        loss_mask = (torch.rand(S, device=device) < 0.8).long()
+        inside = torch.nonzero(doc[1:] == doc[:-1]).view(-1)             # positions with a next token in the doc
+        picked = inside[torch.randperm(len(inside), device=device)[:N - 5]]
+        starts = torch.tensor([0, lens[0], lens[0] + lens[1]], device=device)  # empty contexts
+        anchors = torch.cat([picked, starts, torch.zeros(2, dtype=torch.long, device=device)])
+        anchors[:-2] = anchors[:-2].sort().values
+        keep = torch.arange(N, device=device) < N - 2                     # 2 padded slots, as sample_anchors pads
+        feats = torch.randn(S, 2 * c.hidden_size, device=device)
+        embed, head = torch.randn(2, 256, c.hidden_size, device=device)
+        d = Drafter(c).to(device)
+        inputs = (feats, tokens, loss_mask, doc, pos, anchors, keep, embed, head)
+        if candidate is None:
+            blocks = block_lists(c, anchors, keep, doc, S)
+            step = torch.compile(lambda: d(*inputs, flex=kernel_options or {}, blocks=blocks),
+                                 fullgraph=True, dynamic=False)
+            candidate = lambda d_, inputs_: step()
+        results = []
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+        try:
+            for run in (lambda: d(*inputs), lambda: candidate(d, inputs)):
+                out = run()
+                out["loss"].backward()
+                results.append((out["loss"].detach().double(), [p.grad.double() for p in d.parameters()]))
+                d.zero_grad(set_to_none=True)
+        finally:
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+            torch._dynamo.reset()                    # the check's graph is none of the caller's
+            torch._dynamo.utils.counters["stats"]["unique_graphs"] = graphs
+    (loss, grads), (loss_, grads_) = results
+    rel = lambda a, b: ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
+    return rel(loss_, loss), max(rel(g_, g) for g_, g in zip(grads_, grads)), time.perf_counter() - t0

@@ -34,7 +34,11 @@ group.add_argument("--n-feat", type=int, default=None, help="tapped target layer
 group.add_argument("--block-size", type=int, default=16, help="tokens per draft block: anchor + block-size-1 drafted")
 group.add_argument("--mask-token-id", type=int, default=None, help="embedding row of the masked slots "
                    "(default: z-lab's for the vocab)")
-group.add_argument("--init-drafter", default=None, help="start from a z-lab format drafter dir, not random init")
+group.add_argument("--init-drafter", default=None, help="start from a z-lab format drafter dir, not random init "
+                   "(its config's layer layout and RoPE are kept)")
+group.add_argument("--sliding-window", type=int, default=None, help="tokens a sliding-window drafter layer sees "
+                   "(its own position included); all layers but the last slide, as in z-lab's published drafters; "
+                   "0: all full attention (default: 2048 for a Qwen3.6-27B-geometry target, else 0)")
 group = parser.add_argument_group("optimization")
 group.add_argument("--anchors", type=int, default=16, help="draft blocks per document (sample) and step, "
                    "at most: the recipe's 512 per sample")
@@ -97,7 +101,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from target import Target, TargetConfig
-from model import Drafter, DrafterConfig, sample_anchors, anchor_blocks, flex_backward_kernels
+from model import Drafter, DrafterConfig, sample_anchors, block_lists, flex_backward_kernels, flex_matches_dense
 from data import open_dataset, Packer, make_demo
 
 # -----------------------------------------------------------------------------
@@ -164,8 +168,12 @@ row_anchors = max(8, min(row_anchors, budget - 1, 4 * budget // block_size))
 preset = not os.path.isdir(args.target)
 tcfg = TargetConfig.preset(args.target) if preset else TargetConfig.from_hf(args.target)
 n_feat = args.n_feat or (3 if tcfg.num_hidden_layers < 16 else 5)
-dcfg = DrafterConfig.from_target(tcfg, n_feat=n_feat, num_hidden_layers=args.drafter_layers,
-                                 block_size=block_size, mask_token_id=args.mask_token_id)
+try:
+    dcfg = DrafterConfig.from_target(tcfg, n_feat=n_feat, num_hidden_layers=args.drafter_layers,
+                                     block_size=block_size, mask_token_id=args.mask_token_id,
+                                     sliding_window=args.sliding_window)
+except ValueError as e:
+    sys.exit(f"error: --sliding-window {args.sliding_window}: {e}")
 taps = dcfg.target_layer_ids
 tdtype = torch.bfloat16 if cuda else torch.float32
 start_checks = [
@@ -189,11 +197,19 @@ else:
 
 if runs_drafter:
     torch.manual_seed(args.seed)      # every drafter rank starts from the same weights (checked at the end)
-    drafter = (Drafter.from_pretrained(args.init_drafter) if args.init_drafter else Drafter(dcfg)).to(device)
+    try:
+        drafter = (Drafter.from_pretrained(args.init_drafter) if args.init_drafter else Drafter(dcfg)).to(device)
+    except ValueError as e:
+        sys.exit(f"error: --init-drafter {args.init_drafter}: {e}")
     if drafter.config.hidden_size != tcfg.hidden_size or drafter.config.target_layer_ids != taps:
         sys.exit(f"error: --init-drafter {args.init_drafter} (hidden {drafter.config.hidden_size}, taps "
                  f"{drafter.config.target_layer_ids}) does not match the target (hidden {tcfg.hidden_size}, "
                  f"taps {taps})")
+    layout = lambda c: (c.layer_types, c.windows())
+    if args.init_drafter and args.sliding_window is not None and layout(drafter.config) != layout(dcfg):
+        sys.exit(f"error: --sliding-window {args.sliding_window} asks for layers {layout(dcfg)}, but --init-drafter "
+                 f"{args.init_drafter} has {layout(drafter.config)}; drop --sliding-window")
+    dcfg = drafter.config                 # the trained layout: the init drafter's own, when there is one
     embed, head = target.embed_tokens.weight, target.lm_head.weight
     opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, weight_decay=0.0, fused=True)  # fp32 master weights
     # flex_attention tiles: the inductor defaults assume ~227 KB of shared memory per block (H100/H200/B200);
@@ -204,6 +220,18 @@ if runs_drafter:
         flex = {} if smem >= 200 * 1024 else dict(BLOCK_M=64, BLOCK_N=64, num_stages=2, bwd_BLOCK_M1=32,
                                                    bwd_BLOCK_N1=64, bwd_BLOCK_M2=32, bwd_BLOCK_N2=32)
     autocast = torch.autocast("cuda", torch.bfloat16) if cuda else nullcontext()
+    # before any real step: this torch's compiled flex step must equal the dense step on this run's layout
+    self_check = "skipped (CPU: the dense path is the only one; flex has no CPU backward)"
+    if cuda and args.no_compile:
+        self_check = "skipped (--no-compile: no compiled flex step)"
+    if cuda and not args.no_compile:
+        import triton
+        loss_err, grad_err, seconds = flex_matches_dense(dcfg, device, flex)
+        self_check = (f"compiled flex step == dense step on {'+'.join(dcfg.windows())} layers: loss rel err "
+                      f"{loss_err:.1e}, max grad rel err {grad_err:.1e} ({seconds:.0f} s)")
+        if not (loss_err < 1e-3 and grad_err < 1e-3):
+            sys.exit(f"error: self-check failed: {self_check}; flex_attention of torch {torch.__version__} / "
+                     f"triton {triton.__version__} computes a wrong step on this GPU; use another torch release")
     if cuda:
         warnings.filterwarnings("error", message=".*flex_attention called without torch.compile.*")
 
@@ -318,6 +346,11 @@ if runs_drafter:
     attention = "flex_attention (compiled)" if cuda else "dense mask + SDPA (CPU: flex has no backward)"
     print0(f"drafter: {n_params / 1e6:.1f}M params, {dcfg.num_hidden_layers} layers, block {block_size}, "
            f"mask token {dcfg.mask_token_id}, attention: {attention}")
+    kinds = [f"{dcfg.layer_types.count(k)} x {k}" + (f" (window {w})" if w else "") for k, w in dcfg.windows().items()]
+    order = " ".join(t.split("_")[0] for t in dcfg.layer_types)
+    print0(f"drafter layout: {' + '.join(kinds)}, in order {order}; rope theta {dcfg.rope_theta:g}, "
+           f"scaling {dcfg.rope_scaling}")
+    print0(f"self-check: {self_check}")
 print0(f"data: {data_dir} ({len(train_ds)} samples), {steps_per_epoch} steps/epoch of {n_pairs} x {budget} tokens, "
        f"{max_steps} steps, truncated samples per epoch: {packer.truncated}; held-out rows: {len(eval_rows)}")
 sized_by = "--row-anchors" if args.row_anchors else "the 90th percentile of"
@@ -398,7 +431,7 @@ def draw_anchors(row):
     # anchors and the BlockMask lists are made on device just before the graph (a few eager kernels, no host
     # sync) and enter it as inputs: inductor's flex lowering rejects mask tensors computed inside the graph
     anchors, keep, wanted = sample_anchors(row["loss_mask"], row["doc"], per_doc, row_anchors)
-    blocks = anchor_blocks(anchors, keep, row["doc"], budget, block_size) if cuda else None
+    blocks = block_lists(dcfg, anchors, keep, row["doc"], budget) if cuda else None
     return anchors, keep, blocks, wanted
 
 def save_checkpoint(step):
@@ -500,10 +533,11 @@ for step, kind, r in schedule(start_step):
                 torch._dynamo.config.error_on_recompile = True  # warm: from now on a recompile is an error
         if prof:
             prof.__exit__(None, None, None)
-            kernels, fused = flex_backward_kernels(prof)
+            kernels, fused = flex_backward_kernels(prof, kinds=len(dcfg.windows()))
             if not fused:
-                raise RuntimeError("the first step did not run the fused flex_attention backward kernel; refusing "
-                                   "to train on the dense fallback (~17 GB per layer at 512 anchors / 8192 budget)")
+                raise RuntimeError(f"the first step did not run a fused flex_attention backward kernel for each of "
+                                   f"the {len(dcfg.windows())} layer kinds (saw {kernels}); refusing to train on the "
+                                   "dense fallback (~17 GB per layer at 512 anchors / 8192 budget)")
             print0(f"step {step}: fused flex_attention backward verified (profiler saw {', '.join(kernels)})")
             fused_checked = True
         train_sums += pack_metrics(out, wanted, nonfinite)
