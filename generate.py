@@ -76,65 +76,57 @@ def greedy(target, prompt, max_new, eos=()):
     return seq[len(prompt):].tolist()
 
 def divergence(target, prompt, spec, ref):
-    """Where two decodes of one prompt differ: None, or (index, spec token, greedy token, the target's logit gap
-    between its top two tokens at that point, computed once more on the common prefix, and the top logit)."""
-    n = min(len(spec), len(ref))
-    i = next((i for i in range(n) if spec[i] != ref[i]), n if len(spec) != len(ref) else None)
-    if i is None:
+    """None if the two decodes agree; else a line naming the first differing new token and saying whether the
+    target's own top-2 logits there (recomputed on the common prefix) are close enough for rounding to flip."""
+    i = next((i for i, (s, r) in enumerate(zip(spec, ref)) if s != r), min(len(spec), len(ref)))
+    if i == len(spec) == len(ref):
         return None
-    ids = torch.cat([prompt, torch.tensor(ref[:i], dtype=prompt.dtype, device=prompt.device)])
+    ids = torch.cat([prompt, prompt.new_tensor(ref[:i])])
     top2 = target.logits(ids, torch.tensor([0, len(ids)]), at=torch.tensor([len(ids) - 1]))[0].topk(2).values
-    return i, spec[i] if i < len(spec) else None, ref[i] if i < len(ref) else None, float(top2[0] - top2[1]), float(top2[0])
+    gap = float(top2[0] - top2[1])
+    bf16 = target.embed_tokens.weight.dtype == torch.bfloat16
+    near = gap <= (2 ** -7 if bf16 else 1e-4) * abs(float(top2[0]))     # bf16 keeps 8 significant bits
+    why = ("a near-tie: a forward over the block and one over the prefix round differently" if near
+           else "NOT a near-tie: a bug")
+    s, r = (x[i] if i < len(x) else "end" for x in (spec, ref))
+    return f"DIVERGES at new token {i}: spec {s} vs greedy {r}, target's top-2 logit gap there {gap:.3g} ({why})"
 
 @torch.inference_mode()
 def evaluate(target, drafter, prompts, max_new, eos=(), log=print):
     """Both decodes on every prompt; one line per prompt and a summary through `log`. Returns the totals."""
     dev = target.embed_tokens.weight.device
     B = drafter.config.block_size
-    dtype_name = str(target.embed_tokens.weight.dtype).replace("torch.", "")
     _forward(target, prompts[0], drafter.config.target_layer_ids, [0])    # warm-up (kernel autotuning on GPU)
-    hist = [0] * (B + 1)
-    tot = dict(new=0, greedy_new=0, cycles=0, spec_fwd=0, greedy_fwd=0, spec_s=0.0, greedy_s=0.0, identical=0)
+    hist = [0] * (B + 1)                   # hist[k]: cycles that committed k tokens (accepted + 1)
+    tot = dict(spec_new=0, greedy_new=0, spec_fwd=0, spec_s=0.0, greedy_s=0.0, identical=0)
     for n, prompt in enumerate(prompts):
         _sync(dev)
         t0 = time.perf_counter()
         spec, accepted, spec_fwd = speculative(target, drafter, prompt, max_new, eos)
         _sync(dev)
         t1 = time.perf_counter()
-        ref = greedy(target, prompt, max_new, eos)
+        ref = greedy(target, prompt, max_new, eos)       # one target forward per token
         _sync(dev)
         t2 = time.perf_counter()
         for x in accepted:
             hist[x] += 1
         diff = divergence(target, prompt, spec, ref)
-        tot["new"] += len(spec)
-        tot["greedy_new"] += len(ref)
-        tot["cycles"] += len(accepted)
-        tot["spec_fwd"] += spec_fwd
-        tot["greedy_fwd"] += len(ref)
-        tot["spec_s"] += t1 - t0
-        tot["greedy_s"] += t2 - t1
-        tot["identical"] += diff is None
-        if diff is None:
-            same = "identical to greedy"
-        else:   # a flipped argmax is explained by rounding only if the top two logits are within it
-            i, s, r, gap, top = diff
-            tol = (2 ** -7 if target.embed_tokens.weight.dtype == torch.bfloat16 else 1e-4) * abs(top)
-            why = (f"a near-tie within {dtype_name} rounding: a forward over the block and one over the prefix "
-                   "round differently" if gap <= tol else "NOT a near-tie: a bug")
-            same = f"DIVERGES at new token {i}: spec {s} vs greedy {r}, target's top-2 logit gap {gap:.3g} ({why})"
+        for key, value in (("spec_new", len(spec)), ("greedy_new", len(ref)), ("spec_fwd", spec_fwd),
+                           ("spec_s", t1 - t0), ("greedy_s", t2 - t1), ("identical", diff is None)):
+            tot[key] += value
         tau = sum(accepted) / max(len(accepted), 1)
         log(f"prompt {n}: {len(prompt)} tokens -> {len(spec)} new | tau {tau:.2f} over {len(accepted)} cycles | "
-            f"target forwards spec {spec_fwd} greedy {len(ref)} | tok/s spec {len(spec) / (t1 - t0):.1f} "
-            f"greedy {len(ref) / (t2 - t1):.1f} | {same}")
-    tau = sum(k * c for k, c in enumerate(hist)) / max(tot["cycles"], 1)
-    res = dict(tau=tau, hist=hist[1:], prompts=len(prompts), identical=tot["identical"], new_tokens=tot["new"],
-               spec_forwards=tot["spec_fwd"], greedy_forwards=tot["greedy_fwd"],
-               spec_tok_s=tot["new"] / tot["spec_s"], greedy_tok_s=tot["greedy_new"] / tot["greedy_s"],
+            f"target forwards spec {spec_fwd} greedy {len(ref)} | tok/s spec "
+            f"{len(spec) / (t1 - t0):.1f} greedy {len(ref) / (t2 - t1):.1f} | {diff or 'identical to greedy'}")
+    cycles = sum(hist)
+    res = dict(tau=sum(k * c for k, c in enumerate(hist)) / max(cycles, 1), hist=hist[1:], prompts=len(prompts),
+               identical=tot["identical"], new_tokens=tot["spec_new"], spec_forwards=tot["spec_fwd"],
+               greedy_forwards=tot["greedy_new"], spec_tok_s=tot["spec_new"] / tot["spec_s"],
+               greedy_tok_s=tot["greedy_new"] / tot["greedy_s"],
                spec_ms_per_forward=1e3 * tot["spec_s"] / tot["spec_fwd"],
-               greedy_ms_per_forward=1e3 * tot["greedy_s"] / max(tot["greedy_fwd"], 1))
-    log(f"total: tau {tau:.3f} (mean accepted+1 over {tot['cycles']} cycles of block {B}) | "
-        f"{tot['new']} new tokens | target forwards spec {tot['spec_fwd']} greedy {tot['greedy_fwd']} | "
+               greedy_ms_per_forward=1e3 * tot["greedy_s"] / max(tot["greedy_new"], 1))
+    log(f"total: tau {res['tau']:.3f} (mean accepted+1 over {cycles} cycles of block {B}) | "
+        f"{tot['spec_new']} new tokens | target forwards spec {tot['spec_fwd']} greedy {tot['greedy_new']} | "
         f"tok/s spec {res['spec_tok_s']:.1f} greedy {res['greedy_tok_s']:.1f} "
         f"(x{res['spec_tok_s'] / res['greedy_tok_s']:.2f}) | ms per target forward spec "
         f"{res['spec_ms_per_forward']:.1f} greedy {res['greedy_ms_per_forward']:.1f}")
@@ -179,7 +171,8 @@ def chat_prompts(path, tokenizer, n):
                 continue
             try:
                 msgs = json.loads(line)["messages"]
-                ok = len(msgs) > 0 and all(isinstance(m["role"], str) and isinstance(m["content"], str) for m in msgs)
+                ok = len(msgs) > 0 and all(isinstance(m["role"], str) and isinstance(m["content"], str)
+                                           for m in msgs)
             except (ValueError, KeyError, TypeError):
                 ok = False
             if not ok:
@@ -207,13 +200,14 @@ def hf_eos(path):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default="tiny", help="HF checkpoint dir of a Qwen3.5/3.6 model, or a preset: tiny, "
-                    "qwen3.6-27b (random weights)")
-    ap.add_argument("--drafter", required=True, help="exported drafter dir (train.py's OUT/drafter, z-lab format), "
-                    "or `random` for an untrained drafter of the default geometry (tau before training)")
+    ap.add_argument("--target", default="tiny", help="HF checkpoint dir of a Qwen3.5/3.6 model, "
+                    "or a preset: tiny, qwen3.6-27b (random weights)")
+    ap.add_argument("--drafter", required=True, help="exported drafter dir (train.py's OUT/drafter, "
+                    "z-lab format), or `random` for an untrained drafter of the default geometry (tau before training)")
     ap.add_argument("--data", default=None, help="prepared dataset dir: prompts from DATA/val (the tokens before "
                     "each sample's first supervised token); default: the demo data in ./data/demo")
-    ap.add_argument("--prompts", default=None, help="JSONL of {\"messages\": [...]} chats instead (needs --tokenizer)")
+    ap.add_argument("--prompts", default=None, help="JSONL of {\"messages\": [...]} chats instead "
+                    "(needs --tokenizer)")
     ap.add_argument("--tokenizer", default=None, help="HF tokenizer.json for --prompts")
     ap.add_argument("--random-prompts", type=int, default=0, help="instead: this many prompts of uniform random "
                     "token ids (cost measurements)")

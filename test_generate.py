@@ -79,8 +79,8 @@ def proxy_at(d, t, prompt, cont, anchor):
     feats = t.features(tokens, torch.tensor([0, S]), d.config.target_layer_ids)
     loss_mask = (torch.arange(S) >= len(prompt)).long()
     with torch.no_grad():
-        out = d(feats, tokens, loss_mask, torch.zeros(S, dtype=torch.long), torch.arange(S), torch.tensor([anchor]),
-                torch.tensor([True]), t.embed_tokens.weight, t.lm_head.weight)
+        out = d(feats, tokens, loss_mask, torch.zeros(S, dtype=torch.long), torch.arange(S),
+                torch.tensor([anchor]), torch.tensor([True]), t.embed_tokens.weight, t.lm_head.weight)
     return int(out["accept_sum"])
 
 
