@@ -436,6 +436,18 @@ class Target(nn.Module):
             pass
         return self.lm_head(self.norm(h if at is None else h[at])).float()
 
+    @torch.inference_mode()
+    def features_and_logits(self, ids, cu_seqlens, layer_ids, at=None):
+        """One forward through every layer giving both `features` and `logits` (speculative decoding:
+        the verification forward also yields the next drafts' context)."""
+        assert self.norm is not None, "logits need every layer: build the target without n_layers"
+        taps = {}
+        for i, h in self._run(ids, cu_seqlens, self.n_layers):
+            if i in layer_ids:
+                taps[i] = h
+        logits = self.lm_head(self.norm(h if at is None else h[at])).float()
+        return torch.cat([taps[i] for i in layer_ids], dim=-1), logits
+
     def flops(self, cu_seqlens, n_layers):
         """Matmul FLOPs of a forward through layers [0, n_layers) over one packed row (for MFU)."""
         c, T = self.config, int(cu_seqlens[-1])

@@ -26,6 +26,10 @@ group.add_argument("--data", default=None, help="prepared dataset dir (data.py p
                    "default: the demo data, built in ./data/demo on first use")
 group.add_argument("--budget", type=int, default=128, help="tokens per packed row (context length), fixed")
 group.add_argument("--eval-rows", type=int, default=8, help="held-out rows per evaluation (from DATA/val)")
+group.add_argument("--generate-prompts", type=int, default=0, help="at the end, greedy speculative decoding "
+                   "(generate.py) on this many DATA/val prompts: real acceptance length tau next to the proxy; "
+                   "one process only (it needs the whole target)")
+group.add_argument("--generate-tokens", type=int, default=64, help="new tokens per --generate-prompts prompt")
 group = parser.add_argument_group("models")
 group.add_argument("--target", default="tiny", help="HF checkpoint dir of a Qwen3.5/3.6 model, "
                    "or a preset: tiny, qwen3.6-27b (random weights)")
@@ -181,6 +185,8 @@ start_checks = [
      f"the target's vocab ({tcfg.vocab_size}); prepare the data with the target's tokenizer"),
     (0 <= dcfg.mask_token_id < tcfg.vocab_size, f"--mask-token-id {dcfg.mask_token_id} is not a row of the "
      f"target's embedding (vocab {tcfg.vocab_size})"),
+    (not args.generate_prompts or val_ds is not None, f"--generate-prompts needs held-out prompts, and "
+     f"{data_dir} has no val/ split; prepare it with --val N"),
     (budget >= 2 * block_size, f"--budget {budget} must hold at least two blocks ({2 * block_size} tokens)"),
     (args.row_anchors * block_size <= 4 * budget and args.row_anchors < budget, f"--row-anchors "
      f"{args.row_anchors} is too many for --budget {budget}: at most {min(budget - 1, 4 * budget // block_size)}"),
@@ -190,6 +196,8 @@ for ok, msg in start_checks:
     if not ok:
         sys.exit("error: " + msg)
 n_layers = max(taps) + 1 if runs_target else 0
+if args.generate_prompts and world == 1:
+    n_layers = None                   # generation needs every layer and the head, not just the tapped ones
 if preset:
     target = Target.build(tcfg, device=device, dtype=tdtype, n_layers=n_layers, head=runs_drafter)
 else:
@@ -499,6 +507,7 @@ for step, kind, r in schedule(start_step):
                        accept=m["accept_sum"].item() / max(m["blocks"].item(), 1), slot_acc=slot_acc)
             log(rec, f"eval step {step}: loss {rec['loss']:.4f} | accept {rec['accept']:.3f} | "
                      f"slot acc {' '.join(f'{a:.2f}' for a in slot_acc)}")
+            eval_accept = rec["accept"]
 
     elif kind == "train":
         t0 = mark()
@@ -589,6 +598,19 @@ for step, kind, r in schedule(start_step):
                  f"mem GiB {' '.join(f'{x:.1f}' for x in rec['mem_gib'])}")
         train_sums.zero_(), gnorm_sum.zero_(), nonfinite_rows.zero_()
         step_marks, local_forwards, n_window, t_window = [], [], 0, time.perf_counter()
+
+if args.generate_prompts and world > 1:
+    print0("--generate-prompts skipped: a multi-process job's drafter ranks hold only the target's embedding and "
+           f"head; run `python generate.py --target {args.target} --drafter {args.out}/drafter` on one GPU")
+elif args.generate_prompts and rank == log_rank:
+    import generate
+    exported = Drafter.from_pretrained(os.path.join(args.out, "drafter"), device=device, dtype=tdtype)
+    prompts = [p.to(device) for p in generate.dataset_prompts(data_dir, args.generate_prompts, log=print0)]
+    eos = set() if preset else set(generate.hf_eos(args.target))
+    res = generate.evaluate(target, exported, prompts, args.generate_tokens, eos, log=print0)
+    log(dict(kind="generate", step=max_steps, proxy_accept=eval_accept if eval_rows else None, **res),
+        f"generate: tau {res['tau']:.3f} on {len(prompts)} held-out prompts with the exported drafter "
+        f"(held-out proxy accept {eval_accept if eval_rows else float('nan'):.3f})")
 
 if world > 1:
     # data parallel must leave every drafter with the same weights: check it, do not assume it
