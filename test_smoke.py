@@ -1,10 +1,12 @@
 """
-CPU tests, minutes not hours, every module against an independent reference, plus real end-to-end runs of
-train.py (one process, torchrun with gloo). Run: python -m pytest -q test_smoke.py
+CPU tests, each module against an independent reference, seconds each: the target against transformers'
+Qwen3.5 and a per-token delta-rule recurrence, checkpoint loading, the drafter's mask, loss and export
+against brute force and hand-worked cases, data.py's format and packer. train.py end to end: test_train.py.
+Run: python -m pytest -q test_smoke.py test_train.py
 Nothing here needs a GPU or the network; transformers/tokenizers are test-only dependencies.
 """
-import contextlib
 import copy
+import functools
 import importlib
 import json
 import math
@@ -19,46 +21,67 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
+from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+from torch.nn.attention.flex_attention import create_block_mask
+from torch.utils.flop_counter import FlopCounterMode
 
 import data
 import model
-import target
 from data import DataError, Packer, open_dataset, write_dataset
-from model import Drafter, DrafterConfig, anchor_blocks, anchor_mask_mod, default_target_layer_ids, sample_anchors
-from target import Target, TargetConfig, positions_from_cu, rope_cos_sin, torch_chunk_gated_delta_rule
+from model import (Drafter, DrafterConfig, anchor_blocks, anchor_mask_mod, default_target_layer_ids,
+                   sample_anchors)
+from target import (Target, TargetConfig, positions_from_cu, rope_cos_sin,
+                    torch_chunk_gated_delta_rule)
 
-
-# -------------------------------------------------------------------------------------------------------------
-# the target (model.py, top half): delta rule, packing, checkpoints, HF parity, 27B geometry
-
+HERE = os.path.dirname(os.path.abspath(__file__))
 LIN, FULL = "linear_attention", "full_attention"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # tiny tensors: intra-op threads only add overhead, and OpenMP spin-waiting on 2 busy cores is
+    # very slow. Module scope: the module-scoped fixtures (set up before function-scoped ones) use it.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
-def assert_rel(actual, expected, tol=1e-4, what=""):
-    # max abs error relative to the reference's largest magnitude
+
+def rel_err(actual, expected):
+    """Max abs error relative to the reference's largest magnitude (floored at 1e-6)."""
     actual, expected = actual.float(), expected.float()
-    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} vs {tuple(expected.shape)}"
-    err, scale = (actual - expected).abs().max().item(), expected.abs().max().item()
-    assert err <= tol * max(scale, 1e-6), f"{what}: max abs err {err:.3g} vs scale {scale:.3g} (rel tol {tol})"
+    assert actual.shape == expected.shape, f"shape {tuple(actual.shape)} vs {tuple(expected.shape)}"
+    return (actual - expected).abs().max().item() / max(expected.abs().max().item(), 1e-6)
 
 
 def cu_of(lens):
-    return torch.tensor([0] + list(lens)).cumsum(0)
+    """cu_seqlens [0, l0, l0 + l1, ...] of documents of these lengths."""
+    return torch.tensor([0, *lens]).cumsum(0)
 
 
-def randomize_(model, seed):
-    """Random values for every tensor of one of our models, norms included (1-D zero-centred norm weights get
-    small offsets, so a loader or forward that mixes up w and 1+w shows)."""
+def doc_of(cu):
+    """The document index of every position of a row with these cu_seqlens."""
+    return torch.repeat_interleave(torch.arange(len(cu) - 1), cu.diff())
+
+
+@functools.cache
+def tiny_target():
+    # built once (deterministic weights), read-only
+    return Target.build(TargetConfig.preset("tiny"))
+
+
+def randomize_(m, seed):
+    """Random values for every tensor of a Qwen3.5 target (ours or HF's: same names), norms too:
+    zero-centred 1-D norm weights get offsets, so a loader or forward mixing up w and 1+w shows."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, p in m.named_parameters():
             r = torch.randn(p.shape, generator=g)
             if name.endswith("A_log"):
                 p.copy_(torch.rand(p.shape, generator=g) * 2.5 - 1.0)
             elif name.endswith("dt_bias"):
                 p.copy_(r)
-            elif name.endswith("linear_attn.norm.weight"):
+            elif name.endswith("linear_attn.norm.weight"):   # the gated norm: a plain weight
                 p.copy_(1.0 + 0.3 * r)
             elif p.dim() == 1:
                 p.copy_(0.3 * r)
@@ -66,14 +89,28 @@ def randomize_(model, seed):
                 p.copy_(0.5 * r)
             else:
                 p.copy_(r * p.shape[-1] ** -0.5)
-    return model
+    return m
 
+
+def randomize_drafter_(d, seed):
+    """Unit-scale random weights (the 0.02 init makes every block nearly the same) and norm weights
+    != 1, so a norm that is skipped or applied to the wrong tensor shows."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in d.named_parameters():
+            r = torch.randn(p.shape, generator=g)
+            p.copy_(1.0 + 0.3 * r if p.dim() == 1 else r * p.shape[-1] ** -0.5)
+    return d
+
+
+# ==================================================================================================
+# target.py: the frozen Qwen3.5/3.6 target
 
 # -----------------------------------------------------------------------------
-# 1. the chunked torch gated delta rule against the per-token recurrence
+# the chunked torch gated delta rule == the per-token recurrence
 
 def recurrent_delta_rule(q, k, v, g, beta):
-    # S <- exp(g_t) S;  u = beta_t (v_t - S^T k_t);  S <- S + k_t u^T;  o_t = S^T q_t   (fp64, per v-head)
+    # fp64, per v-head: S <- exp(g_t) S; u = beta_t (v_t - S^T k_t); S <- S + k_t u^T; o_t = S^T q_t
     q, k, v, g, beta = (t.double() for t in (q, k, v, g, beta))
     T, HV, K = k.shape
     S = torch.zeros(HV, K, v.shape[-1], dtype=torch.float64)
@@ -86,30 +123,32 @@ def recurrent_delta_rule(q, k, v, g, beta):
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("T,chunk,g_max", [(150, 64, 2.3), (1, 64, 2.3), (64, 64, 2.3), (77, 16, 2.3), (100, 64, 30.0)])
+@pytest.mark.parametrize("T,chunk,g_max", [(150, 64, 2.3), (1, 64, 2.3), (64, 64, 2.3), (77, 16, 2.3),
+                                           (100, 64, 30.0)])
 def test_chunk_delta_rule_matches_recurrence(T, chunk, g_max):
     gen = torch.Generator().manual_seed(T)
     HV, K, V = 3, 16, 8
     q = F.normalize(torch.randn(T, HV, K, generator=gen), dim=-1) * K ** -0.5
     k = F.normalize(torch.randn(T, HV, K, generator=gen), dim=-1)
     v = torch.randn(T, HV, V, generator=gen)
-    # per-step decays from ~1 (long memory, so state crosses chunk boundaries) to exp(-g_max); g_max 30 makes
-    # the in-chunk cumulative decay underflow exp() in fp32, which must give zeros, not inf/nan
+    # per-step decays from ~1 (long memory: state crosses chunk boundaries) to exp(-g_max); g_max 30
+    # makes the in-chunk cumulative decay underflow exp() in fp32: zeros, not inf/nan
     g = -torch.rand(T, HV, generator=gen) ** 3 * g_max
     beta = torch.rand(T, HV, generator=gen)
     o = torch_chunk_gated_delta_rule(q, k, v, g, beta, chunk=chunk)
     assert o.shape == (T, HV, V) and o.dtype == torch.float32
     ref = recurrent_delta_rule(q, k, v, g, beta)
     assert torch.isfinite(o).all()
-    # with g_max 30 the in-chunk log-decay cumsum reaches ~-560, where fp32 keeps ~5e-5 relative precision of the
-    # pairwise differences exp(gc_i - gc_j) (HF's torch_chunk_gated_delta_rule has the same 5e-5 error here)
-    assert_rel(o, ref, 2e-5 if g_max < 10 else 2e-4, "chunk vs recurrent")
-    if T > chunk and g_max < 10:   # the state carried into later chunks matters here (a reset per chunk would fail)
-        assert (recurrent_delta_rule(q[chunk:], k[chunk:], v[chunk:], g[chunk:], beta[chunk:]) - ref[chunk:]).abs().max() > 1e-2
+    # with g_max 30 the in-chunk log-decay cumsum reaches ~-560, where fp32 keeps ~5e-5 relative
+    # precision of the differences exp(gc_i - gc_j) (HF's torch_chunk_gated_delta_rule: same error)
+    assert rel_err(o, ref) < (2e-5 if g_max < 10 else 2e-4), "chunk vs recurrent"
+    if T > chunk and g_max < 10:   # the state carried into later chunks matters (a reset fails)
+        reset = recurrent_delta_rule(q[chunk:], k[chunk:], v[chunk:], g[chunk:], beta[chunk:])
+        assert (reset - ref[chunk:]).abs().max() > 1e-2
 
 
 # -----------------------------------------------------------------------------
-# 2. packing: a row of three documents equals the documents run alone
+# packing: a row of three documents == the documents run alone
 
 def test_positions_from_cu():
     assert positions_from_cu(cu_of([3, 1, 4])).tolist() == [0, 1, 2, 0, 0, 1, 2, 3]
@@ -125,18 +164,140 @@ def test_packed_documents_equal_separate_runs():
     ids, cu = torch.cat(docs), cu_of(lens)
     layers = list(range(cfg.num_hidden_layers))
     feats, logits = target.features(ids, cu, layers), target.logits(ids, cu)
-    assert feats.shape == (sum(lens), len(layers) * cfg.hidden_size) and logits.shape == (sum(lens), cfg.vocab_size)
+    assert feats.shape == (sum(lens), len(layers) * cfg.hidden_size)
+    assert logits.shape == (sum(lens), cfg.vocab_size)
     for d, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
         one = torch.tensor([0, e - s])
-        assert_rel(feats[s:e], target.features(docs[d], one, layers), 3e-5, f"doc {d} features")
-        assert_rel(logits[s:e], target.logits(docs[d], one), 3e-5, f"doc {d} logits")
+        assert rel_err(feats[s:e], target.features(docs[d], one, layers)) < 3e-5, f"doc {d} features"
+        assert rel_err(logits[s:e], target.logits(docs[d], one)) < 3e-5, f"doc {d} logits"
     # the check has teeth: without the boundaries the later documents come out different
     joined = target.features(ids, torch.tensor([0, sum(lens)]), layers)
     assert (joined[lens[0]:] - feats[lens[0]:]).abs().max() > 1e-2
 
 
+
 # -----------------------------------------------------------------------------
-# 3. checkpoint layouts (official multimodal, sharded; text-only, single file), n_layers, head
+# matches Hugging Face transformers' Qwen3.5 (its torch fallback path on CPU)
+
+def hf_qwen3_5():
+    """transformers' Qwen3.5 modeling module, imported with fla and causal_conv1d hidden: it binds
+    those kernels at import time when installed, and their Triton kernels can't run on CPU tensors."""
+    name = "transformers.models.qwen3_5.modeling_qwen3_5"
+    if name not in sys.modules:
+        saved = {m: sys.modules.get(m) for m in ("fla", "causal_conv1d")}
+        try:
+            sys.modules.update(dict.fromkeys(saved))          # None in sys.modules makes the import fail
+            importlib.import_module(name)
+        finally:
+            for m, mod in saved.items():
+                if mod is None:
+                    sys.modules.pop(m, None)
+                else:
+                    sys.modules[m] = mod
+    return sys.modules[name]
+
+
+def hf_model(partial_rotary_factor, seed):
+    hf = hf_qwen3_5()
+    Qwen3_5ForCausalLM, Qwen3_5TextConfig = hf.Qwen3_5ForCausalLM, hf.Qwen3_5TextConfig
+    rot = int(32 * partial_rotary_factor) // 2
+    cfg = Qwen3_5TextConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4,   # layers 0-2 GDN, 3 attention
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+        max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=partial_rotary_factor,
+                             mrope_section=[rot - 2 * (rot // 3), rot // 3, rot // 3], mrope_interleaved=True),
+        attn_implementation="eager")
+    assert cfg.layer_types == [LIN, LIN, LIN, FULL]
+    m = Qwen3_5ForCausalLM(cfg).eval()
+    assert m.config._attn_implementation == "eager"
+    return randomize_(m, seed)
+
+
+def hf_run(m, ids):
+    """HF forward of one document -> (outputs of every decoder layer, logits). hidden_states[i+1] is
+    layer i's output except the last entry, which this transformers version returns after the final
+    norm; forward hooks give every layer's raw output."""
+    raw = []
+    hook = lambda mod, args, out: raw.append(out[0] if isinstance(out, tuple) else out)
+    hooks = [layer.register_forward_hook(hook) for layer in m.model.layers]
+    try:
+        with torch.no_grad():
+            out = m(ids[None], output_hidden_states=True, use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    L = len(m.model.layers)
+    assert len(raw) == L and len(out.hidden_states) == L + 1
+    for i in range(L - 1):
+        assert torch.equal(out.hidden_states[i + 1], raw[i])
+    return [r[0] for r in raw], out.logits[0]
+
+
+def save_hf(m, path):
+    m.save_pretrained(path)
+    with open(os.path.join(path, "config.json")) as f:
+        assert json.load(f)["model_type"] == "qwen3_5_text"
+    files = [f for f in os.listdir(path) if f.endswith(".safetensors")]
+    keys = set()
+    for file in files:
+        with safe_open(os.path.join(path, file), "pt") as f:
+            keys |= set(f.keys())
+    assert "lm_head.weight" in keys and "model.embed_tokens.weight" in keys
+    assert "model.layers.0.linear_attn.in_proj_qkv.weight" in keys
+    assert "model.layers.3.self_attn.q_norm.weight" in keys
+    return Target.from_pretrained(path, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module", params=[0.25, 0.5])
+def hf_pair(request, tmp_path_factory):
+    m = hf_model(request.param, seed=5)
+    ours = save_hf(m, str(tmp_path_factory.mktemp("hf")))
+    assert ours.config.partial_rotary_factor == request.param and ours.config.rope_theta == 10000.0
+    return m, ours
+
+
+def test_matches_hf_single_document(hf_pair):
+    m, ours = hf_pair
+    ids = torch.randint(0, 300, (150,), generator=torch.Generator().manual_seed(6))   # > 2 GDN chunks
+    cu = cu_of([150])
+    hs, logits = hf_run(m, ids)
+    for i in range(len(hs)):
+        assert rel_err(ours.features(ids, cu, [i]), hs[i]) < 1e-4, f"layer {i}"
+    assert rel_err(ours.features(ids, cu, [0, 1, 2, 3]), torch.cat(hs, -1)) < 1e-4, "all layers"
+    assert rel_err(ours.logits(ids, cu), logits) < 1e-4, "logits"
+
+
+def test_matches_hf_packed_documents(hf_pair):
+    m, ours = hf_pair
+    gen = torch.Generator().manual_seed(7)
+    lens = [45, 100, 30]
+    docs = [torch.randint(0, 300, (n,), generator=gen) for n in lens]
+    ids, cu = torch.cat(docs), cu_of(lens)
+    feats, logits = ours.features(ids, cu, [0, 1, 2, 3]), ours.logits(ids, cu)
+    for d, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        hs, ref_logits = hf_run(m, docs[d])
+        assert rel_err(feats[s:e], torch.cat(hs, -1)) < 1e-4, f"doc {d} hidden states"
+        assert rel_err(logits[s:e], ref_logits) < 1e-4, f"doc {d} logits"
+
+
+def test_matches_hf_small_qk_norms(tmp_path):
+    # GDN q/k vectors of tiny norm: HF and FLA l2-normalise as x / sqrt(|x|^2 + 1e-6), which is not
+    # a unit vector there (F.normalize's x / max(|x|, eps) would be)
+    m = hf_model(0.25, seed=8)
+    with torch.no_grad():
+        m.model.layers[1].linear_attn.in_proj_qkv.weight[:64] *= 1e-4     # q and k rows (2 * 2 heads * 16)
+    ours = save_hf(m, str(tmp_path))
+    ids = torch.randint(0, 300, (80,), generator=torch.Generator().manual_seed(9))
+    hs, logits = hf_run(m, ids)
+    assert rel_err(ours.features(ids, cu_of([80]), [1]), hs[1]) < 1e-4, "layer 1"
+    assert rel_err(ours.logits(ids, cu_of([80])), logits) < 1e-4, "logits"
+
+
+
+# -----------------------------------------------------------------------------
+# checkpoint layouts (official multimodal, sharded; text-only, single file), n_layers, head
 
 SMALL = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
              layer_types=[LIN, FULL, LIN, LIN, FULL, LIN],       # not the interval-4 pattern: must be read
@@ -165,8 +326,8 @@ def text_config_json(cfg, flat_rope=False):
 
 
 def write_official(path, cfg, sd, n_shards=3):
-    """Qwen3_5ForConditionalGeneration layout: model.language_model.* + lm_head.weight, plus vision and MTP
-    tensors the loader must skip, sharded with an index."""
+    """Qwen3_5ForConditionalGeneration layout: model.language_model.* + lm_head.weight, plus vision
+    and MTP tensors the loader must skip, sharded with an index."""
     os.makedirs(path, exist_ok=True)
     tensors = {("lm_head.weight" if n == "lm_head.weight" else "model.language_model." + n): t.contiguous()
                for n, t in sd.items()}
@@ -197,7 +358,8 @@ def write_official(path, cfg, sd, n_shards=3):
 def write_text_only(path, cfg, sd, flat_rope=True):
     """Qwen3_5ForCausalLM layout: model.* + lm_head.weight in one model.safetensors."""
     os.makedirs(path, exist_ok=True)
-    tensors = {("lm_head.weight" if n == "lm_head.weight" else "model." + n): t.contiguous() for n, t in sd.items()}
+    tensors = {("lm_head.weight" if n == "lm_head.weight" else "model." + n): t.contiguous()
+               for n, t in sd.items()}
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump({"architectures": ["Qwen3_5ForCausalLM"], **text_config_json(cfg, flat_rope)}, f)
@@ -245,9 +407,10 @@ def test_both_layouts_identical_and_dtypes(small_ckpts):
     assert torch.equal(fa, torch.cat([full[:, i * H:(i + 1) * H] for i in layers], -1))
     # bf16 load: everything bf16 except the fp32 GDN decay parameters
     h = Target.from_pretrained(str(c["root"] / "official"), dtype=torch.bfloat16)
-    assert h.embed_tokens.weight.dtype == torch.bfloat16 and h.layers[0].linear_attn.in_proj_qkv.weight.dtype == torch.bfloat16
-    assert h.layers[0].linear_attn.A_log.dtype == torch.float32 and h.layers[0].linear_attn.dt_bias.dtype == torch.float32
-    assert torch.equal(h.layers[0].linear_attn.A_log, c["sd"]["layers.0.linear_attn.A_log"])
+    gdn = h.layers[0].linear_attn
+    assert h.embed_tokens.weight.dtype == torch.bfloat16 and gdn.in_proj_qkv.weight.dtype == torch.bfloat16
+    assert gdn.A_log.dtype == torch.float32 and gdn.dt_bias.dtype == torch.float32
+    assert torch.equal(gdn.A_log, c["sd"]["layers.0.linear_attn.A_log"])
 
 
 @pytest.mark.parametrize("layout", ["official", "text"])
@@ -259,7 +422,8 @@ def test_partial_builds(small_ckpts, layout):
     # target rank: layers up to the last tapped one, no head
     part = Target.from_pretrained(path, dtype=torch.float32, n_layers=max(taps) + 1, head=False)
     assert len(part.layers) == max(taps) + 1 and part.lm_head is None and part.norm is None
-    assert all(not n.startswith(("layers.4.", "layers.5.", "norm.", "lm_head.")) for n, _ in part.named_parameters())
+    dropped = ("layers.4.", "layers.5.", "norm.", "lm_head.")
+    assert all(not n.startswith(dropped) for n, _ in part.named_parameters())
     torch.testing.assert_close(part.features(c["ids"], c["cu"], taps), full.features(c["ids"], c["cu"], taps),
                                rtol=0, atol=0)
     with pytest.raises(AssertionError):
@@ -274,7 +438,8 @@ def test_partial_builds(small_ckpts, layout):
 
 
 def test_tied_embeddings_text_only(tmp_path):
-    cfg = TargetConfig(**{**SMALL, "num_hidden_layers": 2, "layer_types": [LIN, FULL], "tie_word_embeddings": True})
+    cfg = TargetConfig(**{**SMALL, "num_hidden_layers": 2, "layer_types": [LIN, FULL],
+                          "tie_word_embeddings": True})
     src = randomize_(Target.build(cfg, dtype=torch.float32), 4)
     sd = {n: p.detach().clone() for n, p in src.state_dict().items() if n != "lm_head.weight"}
     write_text_only(str(tmp_path), cfg, sd, flat_rope=False)
@@ -291,14 +456,15 @@ def test_config_layer_types_from_interval(tmp_path):
     del t["layer_types"]
     t.update(num_hidden_layers=8, full_attention_interval=4)
     with open(tmp_path / "config.json", "w") as f:
-        json.dump({"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": t}, f)
+        json.dump({"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
+                   "text_config": t}, f)
     got = TargetConfig.from_hf(str(tmp_path))
     assert got.layer_types == [LIN, LIN, LIN, FULL] * 2
     assert (got.rope_theta, got.partial_rotary_factor) == (1000.0, 0.5)
 
 
 # -----------------------------------------------------------------------------
-# 5. bad checkpoints raise the promised errors
+# bad checkpoints raise errors that name the file and tensor
 
 def test_missing_tensor_in_index(small_ckpts, tmp_path):
     c = small_ckpts
@@ -307,7 +473,8 @@ def test_missing_tensor_in_index(small_ckpts, tmp_path):
     write_official(str(tmp_path), c["cfg"], sd)
     with pytest.raises(KeyError) as e:
         Target.from_pretrained(str(tmp_path), dtype=torch.float32)
-    assert "model.language_model.layers.2.linear_attn.in_proj_b.weight" in str(e.value) and str(tmp_path) in str(e.value)
+    assert "model.language_model.layers.2.linear_attn.in_proj_b.weight" in str(e.value)
+    assert str(tmp_path) in str(e.value)
     # not needed by a rank that builds only layers 0-1: loads fine
     Target.from_pretrained(str(tmp_path), dtype=torch.float32, n_layers=2, head=False)
 
@@ -371,13 +538,14 @@ def test_no_safetensors(small_ckpts, tmp_path):
 
 
 # -----------------------------------------------------------------------------
-# 6. the 27B geometry and parameter count
+# the 27B geometry and parameter count
 
 def test_qwen36_27b_preset():
     c = TargetConfig.preset("qwen3.6-27b")
     assert (c.num_hidden_layers, c.hidden_size, c.intermediate_size, c.vocab_size) == (64, 5120, 17408, 248320)
     assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (24, 4, 256)
-    assert (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim) == (16, 48, 128, 128)
+    assert (c.linear_num_key_heads, c.linear_num_value_heads) == (16, 48)
+    assert (c.linear_key_head_dim, c.linear_value_head_dim) == (128, 128)
     assert c.linear_conv_kernel_dim == 4 and c.rms_norm_eps == 1e-6 and c.rope_theta == 1e7
     assert c.partial_rotary_factor == 0.25 and c.tie_word_embeddings is False
     assert [i for i, t in enumerate(c.layer_types) if t == FULL] == list(range(3, 64, 4))
@@ -385,7 +553,7 @@ def test_qwen36_27b_preset():
     with torch.device("meta"):
         m = Target(c)
     assert sum(p.numel() for p in m.parameters()) == 26_895_998_464
-    assert len(m.state_dict()) == 851       # 48*14 + 16*11 + embed, norm, lm_head (target.md section 2)
+    assert len(m.state_dict()) == 851       # 48*14 + 16*11 + embed, norm, lm_head
     shapes = {n: tuple(p.shape) for n, p in m.named_parameters()}
     assert shapes["layers.0.linear_attn.in_proj_qkv.weight"] == (10240, 5120)
     assert shapes["layers.0.linear_attn.conv1d.weight"] == (10240, 1, 4)
@@ -396,191 +564,11 @@ def test_qwen36_27b_preset():
     assert shapes["lm_head.weight"] == (248320, 5120)
 
 
-# -----------------------------------------------------------------------------
-# 4. match Hugging Face transformers' Qwen3.5 (torch fallback path on CPU)
-
-def hf_qwen3_5():
-    """transformers' Qwen3.5 modeling module, imported with fla and causal_conv1d hidden: it binds those kernels
-    at import time when they are installed, and their Triton kernels cannot run on CPU tensors."""
-    name = "transformers.models.qwen3_5.modeling_qwen3_5"
-    if name not in sys.modules:
-        saved = {m: sys.modules.get(m) for m in ("fla", "causal_conv1d")}
-        try:
-            sys.modules.update(dict.fromkeys(saved))          # None in sys.modules makes the import fail
-            importlib.import_module(name)
-        finally:
-            for m, mod in saved.items():
-                if mod is None:
-                    sys.modules.pop(m, None)
-                else:
-                    sys.modules[m] = mod
-    return sys.modules[name]
-
-
-def hf_model(partial_rotary_factor, seed):
-    hf = hf_qwen3_5()
-    Qwen3_5ForCausalLM, Qwen3_5TextConfig = hf.Qwen3_5ForCausalLM, hf.Qwen3_5TextConfig
-    rot = int(32 * partial_rotary_factor) // 2
-    cfg = Qwen3_5TextConfig(
-        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4,   # layers 0-2 GDN, 3 attention
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
-        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
-        max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=False,
-        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=partial_rotary_factor,
-                             mrope_section=[rot - 2 * (rot // 3), rot // 3, rot // 3], mrope_interleaved=True),
-        attn_implementation="eager")
-    assert cfg.layer_types == [LIN, LIN, LIN, FULL]
-    torch.manual_seed(seed)
-    m = Qwen3_5ForCausalLM(cfg).eval()
-    assert m.config._attn_implementation == "eager"
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if name.endswith("A_log"):
-                p.copy_(torch.empty_like(p).uniform_(-1.0, 1.5))
-            elif name.endswith("dt_bias"):
-                p.copy_(torch.randn_like(p))
-            elif name.endswith("linear_attn.norm.weight"):   # plain-weight gated norm (init ones)
-                p.copy_(1.0 + 0.3 * torch.randn_like(p))
-            elif p.dim() == 1:                                # zero-centred norms (init zeros): exercise 1 + w
-                p.copy_(0.3 * torch.randn_like(p))
-            elif name.endswith("conv1d.weight"):
-                p.copy_(0.5 * torch.randn_like(p))
-            else:
-                p.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5)
-    return m
-
-
-def hf_run(m, ids):
-    """HF forward of one document -> (outputs of every decoder layer, logits). hidden_states[i+1] is layer i's
-    output except the last entry, which this transformers version returns after the final norm; forward hooks
-    give every layer's raw output."""
-    raw, hooks = [], [layer.register_forward_hook(lambda mod, args, out: raw.append(out[0] if isinstance(out, tuple) else out))
-                      for layer in m.model.layers]
-    try:
-        with torch.no_grad():
-            out = m(ids[None], output_hidden_states=True, use_cache=False)
-    finally:
-        for h in hooks:
-            h.remove()
-    L = len(m.model.layers)
-    assert len(raw) == L and len(out.hidden_states) == L + 1
-    for i in range(L - 1):
-        assert torch.equal(out.hidden_states[i + 1], raw[i])
-    return [r[0] for r in raw], out.logits[0]
-
-
-def save_hf(m, path):
-    m.save_pretrained(path)
-    with open(os.path.join(path, "config.json")) as f:
-        assert json.load(f)["model_type"] == "qwen3_5_text"
-    from safetensors import safe_open
-    files = [f for f in os.listdir(path) if f.endswith(".safetensors")]
-    keys = set()
-    for file in files:
-        with safe_open(os.path.join(path, file), "pt") as f:
-            keys |= set(f.keys())
-    assert "lm_head.weight" in keys and "model.embed_tokens.weight" in keys
-    assert "model.layers.0.linear_attn.in_proj_qkv.weight" in keys and "model.layers.3.self_attn.q_norm.weight" in keys
-    return Target.from_pretrained(path, dtype=torch.float32)
-
-
-@pytest.fixture(scope="module", params=[0.25, 0.5])
-def hf_pair(request, tmp_path_factory):
-    m = hf_model(request.param, seed=5)
-    ours = save_hf(m, str(tmp_path_factory.mktemp("hf")))
-    assert ours.config.partial_rotary_factor == request.param and ours.config.rope_theta == 10000.0
-    return m, ours
-
-
-def test_matches_hf_single_document(hf_pair):
-    m, ours = hf_pair
-    ids = torch.randint(0, 300, (150,), generator=torch.Generator().manual_seed(6))   # > 2 GDN chunks
-    cu = cu_of([150])
-    hs, logits = hf_run(m, ids)
-    for i in range(len(hs)):
-        assert_rel(ours.features(ids, cu, [i]), hs[i], 1e-4, f"layer {i}")
-    assert_rel(ours.features(ids, cu, [0, 1, 2, 3]), torch.cat(hs, -1), 1e-4, "all layers")
-    assert_rel(ours.logits(ids, cu), logits, 1e-4, "logits")
-
-
-def test_matches_hf_packed_documents(hf_pair):
-    m, ours = hf_pair
-    gen = torch.Generator().manual_seed(7)
-    lens = [45, 100, 30]
-    docs = [torch.randint(0, 300, (n,), generator=gen) for n in lens]
-    ids, cu = torch.cat(docs), cu_of(lens)
-    feats, logits = ours.features(ids, cu, [0, 1, 2, 3]), ours.logits(ids, cu)
-    for d, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
-        hs, ref_logits = hf_run(m, docs[d])
-        assert_rel(feats[s:e], torch.cat(hs, -1), 1e-4, f"doc {d} hidden states")
-        assert_rel(logits[s:e], ref_logits, 1e-4, f"doc {d} logits")
-
-
-def test_matches_hf_small_qk_norms(tmp_path):
-    # GDN q/k vectors of tiny norm: HF and FLA l2-normalise as x / sqrt(|x|^2 + 1e-6), which is not a unit
-    # vector there (F.normalize's x / max(|x|, eps) would be)
-    m = hf_model(0.25, seed=8)
-    with torch.no_grad():
-        m.model.layers[1].linear_attn.in_proj_qkv.weight[:64] *= 1e-4     # q and k rows (2 * 2 heads * 16)
-    ours = save_hf(m, str(tmp_path))
-    ids = torch.randint(0, 300, (80,), generator=torch.Generator().manual_seed(9))
-    hs, logits = hf_run(m, ids)
-    assert_rel(ours.features(ids, cu_of([80]), [1]), hs[1], 1e-4, "layer 1")
-    assert_rel(ours.logits(ids, cu_of([80])), logits, 1e-4, "logits")
-
-
-# -------------------------------------------------------------------------------------------------------------
-# the drafter (model.py, bottom half): mask, train/serve equivalence, loss, acceptance, export
-
-@contextlib.contextmanager
-def single_thread():
-    # tiny tensors: intra-op threads only add overhead, and OpenMP spin-waiting on 2 busy cores is very slow
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    with single_thread():   # module-scoped fixtures below set up before this one runs: they use it too
-        yield
-
-
-def rel_err(a, b):
-    a, b = a.float(), b.float()
-    assert a.shape == b.shape, f"shape {tuple(a.shape)} vs {tuple(b.shape)}"
-    return (a - b).abs().max().item() / max(b.abs().max().item(), 1e-6)
-
-
-def randomize_drafter_(d, seed):
-    """Unit-scale random weights (the 0.02 init makes every block nearly the same) and norm weights != 1, so a
-    norm that is skipped or applied to the wrong tensor shows."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in d.named_parameters():
-            r = torch.randn(p.shape, generator=g)
-            p.copy_(1.0 + 0.3 * r if p.dim() == 1 else r * p.shape[-1] ** -0.5)
-    return d
-
-
-_TINY = {}
-
-def tiny_target():
-    # built once per session (deterministic weights), read-only
-    if "t" not in _TINY:
-        _TINY["t"] = Target.build(TargetConfig.preset("tiny"))
-    return _TINY["t"]
-
-
-def doc_of(cu):
-    return torch.repeat_interleave(torch.arange(len(cu) - 1), cu.diff())
-
+# ==================================================================================================
+# model.py: the drafter (mask, BlockMask lists, train/serve equivalence, loss, acceptance, export)
 
 # -----------------------------------------------------------------------------
-# 1. default target_layer_ids: the table of dflash.md 1.3
+# default target_layer_ids: z-lab/dflash's build_target_layer_ids, and published drafter configs
 
 @pytest.mark.parametrize("L,n,ids", [
     (36, 5, [1, 9, 17, 25, 33]),
@@ -597,8 +585,9 @@ def test_default_target_layer_ids(L, n, ids):
 
 
 def test_features_tap_layer_outputs():
-    """target.features(ids, cu, [i, ...]) is the OUTPUT of decoder layer i (HF hidden_states[i+1]), concatenated
-    in the order asked, per packed document (a tap of layer i-1's output, i.e. hidden_states[i], fails)."""
+    """target.features(ids, cu, [i, ...]) is the OUTPUT of decoder layer i (HF hidden_states[i+1]),
+    concatenated in the order asked, per packed document (layer i-1's output, hidden_states[i],
+    fails)."""
     t = tiny_target()
     c = t.config
     cu = cu_of([9, 14, 7])
@@ -618,12 +607,12 @@ def test_features_tap_layer_outputs():
 
 
 # -----------------------------------------------------------------------------
-# 2. the anchor mask: mask_mod on broadcast indices == a brute-force evaluation of the spec (dflash.md 3.5)
+# the anchor mask: mask_mod == a loop over the spec (SpecForge's create_dflash_block_mask)
 
 def brute_mask(anchors, keep, doc, S, B):
-    """Written from the spec with loops: KV = [context (S) | block_0 .. block_{N-1}], Q = the blocks. A query of
-    kept block j sees context kv with kv < anchor_j (strict) and doc[kv] == doc[anchor_j], and the B keys of its own
-    block; a padded block (keep False) sees nothing."""
+    """Written from the spec with loops: KV = [context (S) | block_0 .. block_{N-1}], Q = the
+    blocks. A query of kept block j sees context kv with kv < anchor_j (strict) and doc[kv] ==
+    doc[anchor_j], and the B keys of its own block; a padded block (keep False) sees nothing."""
     N = len(anchors)
     rows = []
     for q in range(N * B):
@@ -642,12 +631,9 @@ def brute_mask(anchors, keep, doc, S, B):
 
 
 def random_row(rng, S, n_docs):
-    cuts = sorted(rng.sample(range(1, S), n_docs - 1))
-    doc = [0] * S
-    for c in cuts:
-        for i in range(c, S):
-            doc[i] += 1
-    return doc, [0] + cuts
+    """(document of each position, document starts) of S tokens cut at n_docs - 1 random places."""
+    cu = torch.tensor([0, *sorted(rng.sample(range(1, S), n_docs - 1)), S])
+    return doc_of(cu).tolist(), cu[:-1].tolist()
 
 
 @pytest.mark.parametrize("B,N", [(4, 10), (16, 5)])
@@ -673,16 +659,15 @@ def test_anchor_mask_matches_brute_force(B, N, seed):
     mm(0, 0, torch.arange(N * B + 2 * B)[:, None], torch.arange(S + N * B + 128)[None, :])
 
 
-
 @pytest.mark.parametrize("S,N,B,docs,p", [(8192, 512, 16, 4, 0.7), (700, 40, 16, 3, 0.9), (300, 37, 5, 2, 0.5),
                                           (515, 64, 8, 5, 0.05), (129, 9, 16, 1, 1.0)])
 def test_anchor_blocks_match_create_block_mask(S, N, B, docs, p):
-    # the closed-form BlockMask the GPU step uses == flex's own create_block_mask over THE mask_mod: all 8 block
-    # lists, partial and full (a tile wrongly called full would skip the mask), rows/cols not multiples of 128
-    from torch.nn.attention.flex_attention import create_block_mask
+    # the closed-form BlockMask the GPU step uses == flex's own create_block_mask over THE mask_mod:
+    # all 8 block lists, partial and full (a tile wrongly called full would skip the mask), sizes
+    # not multiples of 128
     g = torch.Generator().manual_seed(S)
     cuts = torch.randperm(S - 1, generator=g)[:docs - 1] + 1
-    doc = (torch.arange(S)[:, None] >= cuts[None, :]).sum(1)
+    doc = doc_of(torch.tensor([0, *sorted(cuts.tolist()), S]))
     lm = (torch.rand(S, generator=g) < p).long()
     torch.manual_seed(N)
     anchors, keep = sample_anchors(lm, doc, N)
@@ -693,24 +678,25 @@ def test_anchor_blocks_match_create_block_mask(S, N, B, docs, p):
     for name, g_ in zip(names, got):
         r = getattr(ref, name)
         # strides too: the compiled flex backward reads the lists as laid out by create_block_mask
-        assert g_.shape == r.shape and g_.dtype == r.dtype and g_.stride() == r.stride() and torch.equal(g_, r), name
+        assert g_.shape == r.shape and g_.dtype == r.dtype and g_.stride() == r.stride(), name
+        assert torch.equal(g_, r), name
     if S == 8192:   # the real shape has both kinds of tile, so both branches were exercised
         assert got[0].sum() > 0 and got[2].sum() > 0
-    # by hand: contexts that end exactly on a tile edge (anchor 128) or are empty (anchor 256 starts a document)
-    doc = (torch.arange(400) >= 256).long()
+    # by hand: contexts ending on a tile edge (anchor 128) or empty (anchor 256 starts a document)
+    doc = doc_of(torch.tensor([0, 256, 400]))
     anchors, keep = torch.tensor([128] * 8 + [256] * 7 + [0]), torch.tensor([True] * 15 + [False])
     ref = create_block_mask(anchor_mask_mod(anchors, keep, doc, 400, 16), None, None, 256, 656, device="cpu")
     for name, g_ in zip(names, anchor_blocks(anchors, keep, doc, 400, 16)):
         assert torch.equal(g_, getattr(ref, name)) and g_.stride() == getattr(ref, name).stride(), name
 
 # -----------------------------------------------------------------------------
-# 3. train/serve equivalence: the masked training forward == propose() with only the anchor's own past as context
+# train/serve equivalence: the masked training forward == propose() with only the anchor's own past
 
 def ref_propose_logits(d, ctx_feats, ctx_pos, anchor_token, anchor_pos, embed, head):
-    """Independent fp32 reference of one drafting step (dflash.md 1.1/1.4): c = hidden_norm(fc(feats)) feeds k/v
-    of every layer unchanged; per layer pre-norm Qwen3 block, q/k RMSNorm per head, NeoX RoPE (keys at
-    [ctx_pos ; block_pos], queries at block_pos), GQA (head i reads kv head i // (nh/nkv)), no mask, SwiGLU;
-    final norm; logits of block slots 1..B-1."""
+    """Independent fp32 reference of one drafting step (z-lab/dflash, dflash/model.py): c =
+    hidden_norm(fc(feats)) feeds k/v of every layer unchanged; per layer a pre-norm Qwen3 block, q/k
+    RMSNorm per head, NeoX RoPE (keys at [ctx_pos ; block_pos], queries at block_pos), GQA (head i
+    reads kv head i // (nh/nkv)), no mask, SwiGLU; final norm; logits of block slots 1..B-1."""
     c = d.config
     B, nh, nkv, hd = c.block_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
     rms = lambda x, w: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps) * w
@@ -740,6 +726,13 @@ def ref_propose_logits(d, ctx_feats, ctx_pos, anchor_token, anchor_pos, embed, h
     return rms(h, d.norm.weight)[1:] @ head.T
 
 
+def forward(d, t, r, feats=None, **kw):
+    """The drafter's training forward (loss, metrics) on row r, with the target's embedding and head."""
+    feats = r["feats"] if feats is None else feats
+    return d(feats, r["tokens"], r["loss_mask"], r["doc"], r["pos"], r["anchors"], r["keep"],
+             t.embed_tokens.weight, t.lm_head.weight, **kw)
+
+
 class Spy:
     """Wraps _WeightedCE.apply to record the forward's own (h, head, labels, w, chunk)."""
     def __init__(self, monkeypatch, replace=None):
@@ -754,12 +747,8 @@ class Spy:
 
 
 @pytest.fixture(scope="module")
-def setup3():
-    with single_thread():
-        yield make_setup3()
-
-
-def make_setup3():
+def drafter_rows():
+    """The tiny target, a random 2-layer drafter on taps [1, 3, 5], 3 packed rows, sampled anchors."""
     t = tiny_target()
     cfg = DrafterConfig.from_target(t.config, n_feat=3, num_hidden_layers=2)
     assert cfg.target_layer_ids == [1, 3, 5] and cfg.block_size == 16
@@ -774,7 +763,7 @@ def make_setup3():
         loss_mask = (torch.rand(S, generator=g) < (0.35 if full else 0.7)).long()
         loss_mask[cu[:-1] + 1] = 1                        # every document start is a valid anchor
         n_valid = int(((loss_mask[1:] > 0) & (doc[1:] == doc[:-1])).sum())
-        # full: n > #valid, so every valid anchor (document starts included) is kept and 3 slots are padding
+        # full: n > #valid, so every valid anchor (document starts too) is kept, 3 slots are padding
         n = n_valid + 3 if full else 6
         torch.manual_seed(int(S))
         anchors, keep = sample_anchors(loss_mask, doc, n)
@@ -785,16 +774,16 @@ def make_setup3():
 
 
 def train_h(monkeypatch, d, t, r, feats=None):
+    """The final hidden states of the training forward, (N anchors, B, H)."""
     spy = Spy(monkeypatch)
-    d(r["feats"] if feats is None else feats, r["tokens"], r["loss_mask"], r["doc"], r["pos"], r["anchors"],
-      r["keep"], t.embed_tokens.weight, t.lm_head.weight)
+    forward(d, t, r, feats)
     monkeypatch.undo()
     (h, _, _), = spy.calls
     return h.view(len(r["anchors"]), d.config.block_size, -1)
 
 
-def test_train_serve_equivalence(setup3, monkeypatch):
-    t, d, rows = setup3
+def test_train_serve_equivalence(drafter_rows, monkeypatch):
+    t, d, rows = drafter_rows
     embed, head = t.embed_tokens.weight, t.lm_head.weight
     n_start = 0
     for r in rows:
@@ -808,15 +797,16 @@ def test_train_serve_equivalence(setup3, monkeypatch):
             s = max(x for x in starts if x <= a)             # the anchor's document start
             n_start += a == s
             train_logits = (h[j, 1:] @ head.T).float()
-            tok, logits = d.propose(r["feats"][s:a], r["pos"][s:a], int(r["tokens"][a]), int(r["pos"][a]), embed, head)
+            args = (r["feats"][s:a], r["pos"][s:a], int(r["tokens"][a]), int(r["pos"][a]), embed, head)
+            tok, logits = d.propose(*args)
             assert logits.shape == (d.config.block_size - 1, t.config.vocab_size)
             assert torch.equal(tok, logits.argmax(-1))
             assert rel_err(train_logits, logits) < 1e-4, (a, s)
     assert n_start >= 5   # anchors at document starts (empty context) were among those compared
 
 
-def test_propose_matches_reference(setup3):
-    t, d, rows = setup3
+def test_propose_matches_reference(drafter_rows):
+    t, d, rows = drafter_rows
     embed, head = t.embed_tokens.weight, t.lm_head.weight
     r = rows[0]
     for a in (0, 14, 20, 40, 50):   # document starts (empty context) and mid-document anchors
@@ -826,8 +816,8 @@ def test_propose_matches_reference(setup3):
         assert rel_err(logits, ref_propose_logits(d, *args)) < 1e-4, a
 
 
-def test_training_context_is_strictly_before_anchor(setup3, monkeypatch):
-    t, d, rows = setup3
+def test_training_context_is_strictly_before_anchor(drafter_rows, monkeypatch):
+    t, d, rows = drafter_rows
     r = rows[0]
     starts = r["cu"][:-1].tolist()
     h = train_h(monkeypatch, d, t, r)
@@ -837,7 +827,7 @@ def test_training_context_is_strictly_before_anchor(setup3, monkeypatch):
         a = int(r["anchors"][j])
         s = max(x for x in starts if x <= a)
         if not r["keep"][j] or a == s or s == 0:
-            continue                                      # need a-1 in the same document and an earlier document
+            continue                          # needs a-1 in the same document, and an earlier document
         ref = h[j]
         # features at and after the anchor, and of earlier documents: invisible to block j
         f = r["feats"].clone()
@@ -855,15 +845,15 @@ def test_training_context_is_strictly_before_anchor(setup3, monkeypatch):
 
 
 # -----------------------------------------------------------------------------
-# 4. loss weights, labels and the acceptance proxy on a hand-worked row (block size 5, gamma 2)
+# loss weights, labels and the acceptance proxy on a hand-worked row (block size 5, gamma 2)
 
 #                  0  1  2  3  4  5  6  7  8  9 10 11 12 13
 HAND_DOC = [0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1]
 HAND_LM = [0, 1, 1, 0, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1]
 HAND_ANCHORS = [0, 1, 4, 6, 9, 12, 0]
 HAND_KEEP = [True] * 6 + [False]
-# supervised slots, worked out by hand: slot k of anchor a is supervised iff keep, k >= 1, a+k < S, loss_mask[a+k]
-# and doc[a+k] == doc[a]
+# supervised slots, worked out by hand: slot k of anchor a is supervised iff keep, k >= 1, a+k < S,
+# loss_mask[a+k] and doc[a+k] == doc[a]
 HAND_SUP = [[0, 1, 1, 0, 1],    # a=0: pos 3 has loss_mask 0
             [0, 1, 0, 1, 1],    # a=1: pos 3 again
             [0, 1, 1, 1, 0],    # a=4: pos 8 is in the next document
@@ -876,11 +866,6 @@ GAMMA, HB = 2.0, 5
 
 @pytest.fixture(scope="module")
 def hand():
-    with single_thread():
-        yield make_hand()
-
-
-def make_hand():
     t = tiny_target()
     cfg = DrafterConfig.from_target(t.config, n_feat=3, num_hidden_layers=1, block_size=HB)
     d = randomize_drafter_(Drafter(cfg), 2)
@@ -895,15 +880,10 @@ def make_hand():
     return t, d, r
 
 
-def run(d, t, r, gamma=GAMMA, **kw):
-    return d(r["feats"], r["tokens"], r["loss_mask"], r["doc"], r["pos"], r["anchors"], r["keep"],
-             t.embed_tokens.weight, t.lm_head.weight, gamma=gamma, **kw)
-
-
 def test_loss_weights_and_labels_by_hand(hand, monkeypatch):
     t, d, r = hand
     spy = Spy(monkeypatch)
-    out = run(d, t, r, ce_chunk=7)
+    out = forward(d, t, r, gamma=GAMMA, ce_chunk=7)
     (h, labels, w), = spy.calls
     N = len(HAND_ANCHORS)
     exp_w = torch.zeros(N, HB)
@@ -926,7 +906,7 @@ def test_loss_weights_and_labels_by_hand(hand, monkeypatch):
     assert out["slot_count"].tolist() == torch.tensor(HAND_SUP).sum(0).tolist() == [0, 6, 3, 3, 3]
     assert out["blocks"].item() == 6
     # gamma matters (the decay is applied) and the loss is differentiable wrt the drafter
-    assert abs(run(d, t, r, gamma=7.0)["loss"].item() - out["loss"].item()) > 1e-4
+    assert abs(forward(d, t, r, gamma=7.0)["loss"].item() - out["loss"].item()) > 1e-4
     d.zero_grad()
     out["loss"].backward()
     assert all(torch.isfinite(p.grad).all() for p in d.parameters()) and d.fc.weight.grad.abs().sum() > 0
@@ -950,7 +930,7 @@ def test_acceptance_proxy_by_hand(hand, monkeypatch):
         return (h.sum() * 0.0).float(), pred
 
     Spy(monkeypatch, replace=fake)
-    out = run(d, t, r)
+    out = forward(d, t, r, gamma=GAMMA)
     assert out["accept_sum"].item() == 3 + 2 + 2 + 1 + 5 + 2
     assert out["blocks"].item() == 6
     assert out["accept_sum"].item() / out["blocks"].item() == pytest.approx(15 / 6)
@@ -973,16 +953,17 @@ def test_fully_masked_row(hand, case):
         r["loss_mask"] = torch.tensor([1] * 12 + [0, 0])
         r["anchors"], r["keep"] = torch.tensor([11, 13]), torch.tensor([True, True])
     d.zero_grad()
-    out = run(d, t, r)
+    out = forward(d, t, r, gamma=GAMMA)
     assert out["loss"].item() == 0.0 and out["slot_count"].sum().item() == 0
-    assert out["accept_sum"].item() == (0 if case == "no_anchors" else 2) and out["blocks"].item() == r["keep"].sum()
+    assert out["accept_sum"].item() == (0 if case == "no_anchors" else 2)
+    assert out["blocks"].item() == r["keep"].sum()
     out["loss"].backward()
     for n, p in d.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all() and (p.grad == 0).all(), n
 
 
 # -----------------------------------------------------------------------------
-# 5. the chunked weighted CE == plain autograd over full logits
+# the chunked weighted CE == plain autograd over full logits; Drafter.flops == FlopCounterMode
 
 @pytest.mark.parametrize("chunk", [1, 5, 8, 37, 1024])
 def test_weighted_ce_matches_autograd(chunk):
@@ -1007,21 +988,18 @@ def test_weighted_ce_matches_autograd(chunk):
     assert torch.equal(pred, logits.argmax(-1)) and not pred.requires_grad
 
 
-def test_drafter_flops_count_every_matmul(setup3):
-    # Drafter.flops, bench.py's MFU numerator, == the GEMM FLOPs torch's FlopCounterMode sees in a real step
-    # (fwd + bwd). CPU SDPA is not among the counted ops, so visible=0 leaves attention out on both sides.
-    from torch.utils.flop_counter import FlopCounterMode
-    t, d, rows = setup3
+def test_drafter_flops_count_every_matmul(drafter_rows):
+    # Drafter.flops, bench.py's MFU numerator, == the GEMM FLOPs torch's FlopCounterMode sees in a
+    # real step (fwd + bwd). CPU SDPA is not among the counted ops: visible=0 leaves attention out.
+    t, d, rows = drafter_rows
     d, r = copy.deepcopy(d), rows[1]
     with FlopCounterMode(display=False) as fc:
-        out = d(r["feats"], r["tokens"], r["loss_mask"], r["doc"], r["pos"], r["anchors"], r["keep"],
-                t.embed_tokens.weight, t.lm_head.weight)
-        out["loss"].backward()
+        forward(d, t, r)["loss"].backward()
     assert fc.get_flop_counts()["Global"][torch.ops.aten.mm] == d.flops(r["S"], len(r["anchors"]))
 
 
 # -----------------------------------------------------------------------------
-# 6. anchor sampling
+# anchor sampling
 
 def check_anchors(loss_mask, doc, n, anchors, keep):
     S = loss_mask.shape[0]
@@ -1044,9 +1022,7 @@ def test_sample_anchors_invariants():
     for it in range(40):
         S = int(torch.randint(30, 81, (), generator=g))
         cuts = torch.randperm(S - 1, generator=g)[: int(torch.randint(0, 5, (), generator=g))] + 1
-        doc = torch.zeros(S, dtype=torch.long)
-        for c in cuts.tolist():
-            doc[c:] += 1
+        doc = doc_of(torch.tensor([0, *sorted(cuts.tolist()), S]))
         loss_mask = (torch.rand(S, generator=g) < [0.5, 0.1, 0.9, 0.0][it % 4]).long()
         for n in (1, 8, S - 1):
             anchors, keep = sample_anchors(loss_mask, doc, n)
@@ -1073,9 +1049,9 @@ def test_sample_anchors_uniform():
 
 
 # -----------------------------------------------------------------------------
-# 7. save/load in the z-lab format (dflash.md 2.2, 2.3)
+# save/load in the z-lab format (config.json, safetensors keys of z-lab/dflash's DFlashDraftModel)
 
-def test_save_load_roundtrip_and_format(tmp_path, setup3):
+def test_save_load_roundtrip_and_format(tmp_path, drafter_rows):
     t = tiny_target()
     tc = t.config
     cfg = DrafterConfig.from_target(tc, n_feat=3, num_hidden_layers=2, block_size=8, mask_token_id=500,
@@ -1093,13 +1069,12 @@ def test_save_load_roundtrip_and_format(tmp_path, setup3):
     for name, p in loaded.named_parameters():
         assert p.dtype == torch.float32 and torch.equal(p, ref.get_parameter(name)), name
     # identical logits: the serving step and the training loss
-    _, _, rows = setup3
+    _, _, rows = drafter_rows
     r = rows[0]
     embed, head = t.embed_tokens.weight, t.lm_head.weight
     args = (r["feats"][14:20], r["pos"][14:20], int(r["tokens"][20]), int(r["pos"][20]), embed, head)
     assert torch.equal(loaded.propose(*args)[1], ref.propose(*args)[1])
-    fwd = lambda m: m(r["feats"], r["tokens"], r["loss_mask"], r["doc"], r["pos"], r["anchors"], r["keep"], embed, head)
-    assert torch.equal(fwd(loaded)["loss"], fwd(ref)["loss"])
+    assert torch.equal(forward(loaded, t, r)["loss"], forward(ref, t, r)["loss"])
 
     with open(tmp_path / "config.json") as f:
         j = json.load(f)
@@ -1139,7 +1114,7 @@ def test_save_load_roundtrip_and_format(tmp_path, setup3):
 
 
 # -----------------------------------------------------------------------------
-# 8. the published Qwen3.6-27B drafter geometry (dflash.md 1.2, 5)
+# the published Qwen3.6-27B drafter geometry (z-lab/Qwen3.6-27B-DFlash config.json)
 
 def test_qwen36_27b_drafter_geometry():
     c = DrafterConfig.from_target(TargetConfig.preset("qwen3.6-27b"))
@@ -1157,15 +1132,14 @@ def test_qwen36_27b_drafter_geometry():
     assert sorted(d.state_dict()) == sorted(k for k, _ in d.named_parameters())   # no buffers to save
 
 
-# -------------------------------------------------------------------------------------------------------------
-# data.py: format, prepare, packer, bad input, flat memory
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+# ==================================================================================================
+# data.py: format, prepare, packer, bad input, flat memory, demo
 
-
-def cli(*args, cwd=None):
+def cli(*args):
+    """python data.py ARGS in a fresh process."""
     return subprocess.run([sys.executable, os.path.join(HERE, "data.py"), *map(str, args)],
-                          capture_output=True, text=True, cwd=cwd)
+                          capture_output=True, text=True)
 
 
 def write_jsonl(path, objs):
@@ -1201,7 +1175,7 @@ def test_prepare_pretokenized_roundtrip(tmp_path):
     tr, va = open_dataset(tmp_path / "d"), open_dataset(tmp_path / "d" / "val")
     assert tr.path == os.path.join(tmp_path / "d", "train")  # the parent resolves to train/
     assert len(tr) == 45 and len(va) == 5
-    # val lines are spread evenly (line i where floor(i*5/50) steps up) and both splits keep file order
+    # val lines are spread evenly (line i where floor(i*5/50) steps up); both splits keep file order
     val_lines = [i for i in range(50) if (i + 1) * 5 // 50 > i * 5 // 50]
     assert val_lines == [9, 19, 29, 39, 49]
     got = [tr.sample(k) for k in range(len(tr))]
@@ -1223,7 +1197,6 @@ def test_prepare_pretokenized_roundtrip(tmp_path):
 
 
 def make_tokenizer(path, special=True):
-    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
     words = ["<unk>", "system", "user", "assistant", "you", "are", "helpful", "hi", "hello", "there",
              "what", "is", "two", "plus", "four", "it", "thanks", "bye"]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
@@ -1245,7 +1218,8 @@ def test_prepare_chat_roundtrip(tmp_path):
         [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}],  # only <|im_end|> supervised
     ]
     write_jsonl(tmp_path / "chat.jsonl", [{"messages": c} for c in convs])
-    r = cli("prepare", "--input", tmp_path / "chat.jsonl", "--out", tmp_path / "d", "--tokenizer", tmp_path / "tokenizer.json")
+    r = cli("prepare", "--input", tmp_path / "chat.jsonl", "--out", tmp_path / "d",
+            "--tokenizer", tmp_path / "tokenizer.json")
     assert r.returncode == 0, r.stderr + r.stdout
     ds = open_dataset(tmp_path / "d")
     assert len(ds) == 3 and ds.vocab_size == tok.get_vocab_size(with_added_tokens=True)
@@ -1280,7 +1254,8 @@ def test_chat_needs_tokenizer_with_special_tokens(tmp_path):
     r = cli("prepare", "--input", tmp_path / "chat.jsonl", "--out", tmp_path / "d")
     assert r.returncode == 1 and "chat.jsonl:1" in r.stderr and "--tokenizer" in r.stderr
     make_tokenizer(tmp_path / "plain.json", special=False)
-    r = cli("prepare", "--input", tmp_path / "chat.jsonl", "--out", tmp_path / "d", "--tokenizer", tmp_path / "plain.json")
+    r = cli("prepare", "--input", tmp_path / "chat.jsonl", "--out", tmp_path / "d",
+            "--tokenizer", tmp_path / "plain.json")
     assert r.returncode == 1 and "plain.json" in r.stderr and "<|im_start|>" in r.stderr
     assert not os.path.exists(tmp_path / "d" / "train")
 
@@ -1348,11 +1323,12 @@ def test_packer_epoch_invariants(ds, n_shards):
     assert sorted(seen) == list(range(len(ds)))  # each sample exactly once per epoch, across shards
     nxt = packers[0].next_row()  # rolls over into epoch 1, with a new order
     assert nxt.epoch == 1 and packers[0].epoch == 1 and nxt.index == 0
-    assert nxt.samples.tolist() == ref_next_fit(ds.lengths.tolist(), np.random.default_rng((7, 1)).permutation(len(ds)).tolist(), budget)[0]
+    order = np.random.default_rng((7, 1)).permutation(len(ds))
+    assert nxt.samples.tolist() == ref_next_fit(ds.lengths.tolist(), order.tolist(), budget)[0]
 
 
 def test_packer_filler_row(tmp_path):
-    # 5 samples of 10 tokens, budget 20: 3 rows (2+2+1); with 2 shards shard 1 gets row 1 and a filler
+    # 5 samples of 10 tokens, budget 20: 3 rows (2+2+1); of 2 shards, shard 1 gets row 1 and a filler
     write_dataset(tmp_path / "d", [(np.arange(1, 11), np.ones(10)) for _ in range(5)])
     d = open_dataset(tmp_path / "d")
     p = Packer(d, 20, n_shards=2, shard=1, shuffle=False)
@@ -1367,7 +1343,8 @@ def test_packer_filler_row(tmp_path):
 
 def test_packer_seed_and_shuffle(ds):
     rows = lambda p, n: [p.next_row().samples.tolist() for _ in range(n)]
-    a, b, c = rows(Packer(ds, 64, seed=1), 20), rows(Packer(ds, 64, seed=1), 20), rows(Packer(ds, 64, seed=2), 20)
+    a, b = rows(Packer(ds, 64, seed=1), 20), rows(Packer(ds, 64, seed=1), 20)
+    c = rows(Packer(ds, 64, seed=2), 20)
     assert a == b and a != c
     p = Packer(ds, 64, shuffle=False)
     flat = sum(rows(p, p.steps_per_epoch), [])
@@ -1420,7 +1397,8 @@ def test_bad_lines_reported(tmp_path):
         lines[i - 1] = b
     lines.insert(99, "   ")  # a blank line is ignored, not counted as bad; later line numbers shift by one
     write_jsonl(tmp_path / "in.jsonl", lines)
-    r = cli("prepare", "--input", tmp_path / "in.jsonl", "--out", tmp_path / "d", "--vocab-size", 100, "--max-bad", 0.05)
+    r = cli("prepare", "--input", tmp_path / "in.jsonl", "--out", tmp_path / "d", "--vocab-size", 100,
+            "--max-bad", 0.05)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out
     for line, kind in [(3, "malformed JSON"), (10, "neither input_ids nor messages"), (20, "token id out of range"),
@@ -1461,10 +1439,12 @@ def test_cli_errors(tmp_path):
     r = cli("prepare", "--input", tmp_path / "in.jsonl", "--out", tmp_path / "d")
     assert r.returncode == 1 and "already exists" in r.stderr and "--force" in r.stderr
     r = cli("prepare", "--input", tmp_path / "in.jsonl", "--out", tmp_path / "d", "--force", "--val", 0.2)
-    assert r.returncode == 0 and len(open_dataset(tmp_path / "d")) == 8 and len(open_dataset(tmp_path / "d" / "val")) == 2
+    assert r.returncode == 0 and len(open_dataset(tmp_path / "d")) == 8
+    assert len(open_dataset(tmp_path / "d" / "val")) == 2
     r = cli("prepare", "--input", tmp_path / "in.jsonl", "--out", tmp_path / "d", "--force", "--val", 10)
     assert r.returncode == 1 and "fewer than all" in r.stderr
-    assert cli("prepare", "--input", tmp_path / "in.jsonl", "--out", tmp_path / "d", "--val", 1.5).returncode == 2
+    r = cli("prepare", "--input", tmp_path / "in.jsonl", "--out", tmp_path / "d", "--val", 1.5)
+    assert r.returncode == 2
     assert sorted(os.listdir(tmp_path / "d")) == ["train", "val"]  # no temp directories left behind
 
 
@@ -1519,6 +1499,15 @@ def rss_kb(field):
         return next(int(l.split()[1]) for l in f if l.startswith(field + ":"))
 
 
+def child_peak_kib(code):
+    """Peak RSS (VmHWM, KiB) of a fresh python that imports data.py and runs code."""
+    script = (f"import sys; sys.path.insert(0, {HERE!r}); import data; {code}; "
+              "print(open('/proc/self/status').read().split('VmHWM:')[1].split()[0])")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return int(r.stdout.split()[-1])
+
+
 def test_large_dataset_flat_memory(tmp_path):
     rng = np.random.default_rng(0)
     n_tok = 0
@@ -1528,15 +1517,12 @@ def test_large_dataset_flat_memory(tmp_path):
             f.write(json.dumps({"input_ids": rng.integers(0, 200_000, L).tolist()}) + "\n")
             n_tok += L
     token_bytes = 4 * n_tok
-    # prepare in a child process, whose peak RSS we compare with a child that only imports the same things
-    # (VmHWM, not ru_maxrss: Linux carries ru_maxrss over fork+exec, so it would report pytest's own size)
-    peak = "import sys; sys.path.insert(0, {!r}); import data, json; {}; print(open('/proc/self/status').read().split('VmHWM:')[1].split()[0])"
-    base = int(subprocess.run([sys.executable, "-c", peak.format(HERE, "pass")], capture_output=True, text=True, check=True).stdout)
-    r = subprocess.run([sys.executable, "-c", peak.format(HERE, f"data.main(['prepare', '--input', {str(tmp_path / 'big.jsonl')!r}, '--out', {str(tmp_path / 'big')!r}, '--val', '0.01'])")],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    prep = int(r.stdout.split()[-1])
-    # open and iterate a full epoch. Anonymous memory is what must stay flat: pages of the memory-mapped
+    # prepare in a child process, whose peak RSS we compare with a child that only imports the same
+    # things (VmHWM, not ru_maxrss: Linux carries ru_maxrss over fork+exec: pytest's own size)
+    base = child_peak_kib("pass")
+    prep = child_peak_kib(f"data.main(['prepare', '--input', {str(tmp_path / 'big.jsonl')!r}, "
+                          f"'--out', {str(tmp_path / 'big')!r}, '--val', '0.01'])")
+    # open and iterate a full epoch. Anonymous memory is what must stay flat: pages of the mapped
     # files count in VmRSS too, but they are the kernel's page cache, shared and evictable
     anon0, rss0, anon_peak, seen = rss_kb("RssAnon"), rss_kb("VmRSS"), 0, 0
     ds = open_dataset(tmp_path / "big")
@@ -1564,9 +1550,7 @@ def test_demo_is_the_targets_greedy_output(tmp_path):
     out = data.make_demo(tmp_path / "demo", samples=10, val_samples=3, new_tokens=20, seed=0, log=print)
     tr, va = open_dataset(out), open_dataset(os.path.join(out, "val"))
     assert len(tr) == 10 and len(va) == 3 and tr.vocab_size == TargetConfig.preset("tiny").vocab_size
-    tiny = Target.build(TargetConfig.preset("tiny")).eval()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny ops: a second thread only adds overhead (see make_demo)
+    tiny = tiny_target()   # the same weights as make_demo's (seeded by tensor name)
     prompts = set()
     for d in (tr, va):
         for k in range(len(d)):
@@ -1574,11 +1558,10 @@ def test_demo_is_the_targets_greedy_output(tmp_path):
             p = int((mask == 0).sum())
             assert 8 <= p <= 24 and len(ids) == p + 20 and mask[:p].sum() == 0 and mask[p:].all()
             prompts.add(tuple(ids[:p].tolist()))
-            # independent of the packed step-by-step generation: one teacher-forced forward over the
-            # sample alone; a causal model's argmax at every continuation position must be the next token
+            # independent of the packed step-by-step generation: one teacher-forced forward over
+            # the sample alone; a causal model's argmax at each continuation position: the next token
             logits = tiny.logits(ids, torch.tensor([0, len(ids)]))
             assert torch.equal(logits[p - 1:-1].argmax(-1), ids[p:])
-    torch.set_num_threads(threads)
     assert len(prompts) == 13
     mtime = os.path.getmtime(os.path.join(out, "train", "meta.json"))
     assert data.make_demo(tmp_path / "demo", samples=10, val_samples=3, new_tokens=20, seed=0) == out  # reused
@@ -1586,211 +1569,3 @@ def test_demo_is_the_targets_greedy_output(tmp_path):
     with pytest.raises(DataError, match="already exists"):  # a different demo is not silently overwritten
         data.make_demo(tmp_path / "demo", samples=11, val_samples=3, new_tokens=20, seed=0)
 
-# -------------------------------------------------------------------------------------------------------------
-# train.py end to end, in real processes (one process; torchrun + gloo); the demo data is built once, in data/demo
-
-def clean_env():
-    # like a fresh shell: inductor writes its default TORCHINDUCTOR_CACHE_DIR into os.environ once anything in
-    # this process compiled, and an inherited value would (rightly) be taken as the user's choice for all ranks
-    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
-    return {**env, "OMP_NUM_THREADS": "1"}
-
-
-def run_train(out, *flags, nproc=None, timeout=900):
-    cmd = ([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port", str(29500 + nproc)]
-           if nproc else [sys.executable]) + [os.path.join(HERE, "train.py"), "--out", str(out), *flags]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=clean_env(), cwd=HERE)
-    assert r.returncode == 0, f"{' '.join(cmd)} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
-    return r.stdout, [json.loads(l) for l in open(os.path.join(out, "log.jsonl"))]
-
-
-def test_train_demo_defaults(tmp_path):
-    """`python train.py` as a new user runs it: tiny target, demo data, defaults. Held-out acceptance must rise."""
-    import time
-    t0 = time.time()
-    out, log = run_train(tmp_path)
-    evals = [r for r in log if r["kind"] == "eval"]
-    print(f"python train.py: {time.time() - t0:.0f} s, held-out accept {evals[0]['accept']:.3f} -> {evals[-1]['accept']:.3f}, "
-          f"loss {evals[0]['loss']:.3f} -> {evals[-1]['loss']:.3f}")
-    assert evals[0]["accept"] < 1.05 and evals[-1]["accept"] > 1.12, [e["accept"] for e in evals]
-    assert evals[-1]["loss"] < evals[0]["loss"] - 0.5
-    # the z-lab export reproduces the trained drafter (its fp32 master weights rounded to bf16, as exported)
-    ck = torch.load(tmp_path / "ckpt.pt", weights_only=False)
-    trained = Drafter(DrafterConfig(**ck["drafter_config"]))
-    trained.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in ck["drafter"].items()})
-    exported = Drafter.from_pretrained(str(tmp_path / "drafter"))
-    tgt = Target.build(TargetConfig.preset("tiny"))
-    ids = torch.randint(1, 500, (40,))
-    feats = tgt.features(ids, torch.tensor([0, 40]), trained.config.target_layer_ids)
-    args = (feats[:30], torch.arange(30), ids[30], torch.tensor(30), tgt.embed_tokens.weight, tgt.lm_head.weight)
-    assert torch.equal(trained.propose(*args)[1], exported.propose(*args)[1])
-
-
-@pytest.mark.parametrize("nproc", [2, 4])
-def test_torchrun_pairs_gloo(tmp_path, nproc):
-    """One pair (2 processes) and two pairs (4): targets stream features to drafters, drafters all-reduce."""
-    out, log = run_train(tmp_path, "--max-steps", "6", "--log-interval", "3", "--eval-interval", "3", nproc=nproc)
-    assert f"{nproc // 2} pair(s)" in out and "end: drafter weights identical" in out, out[-2000:]
-    assert float(out.split("max abs diff ")[1].split()[0]) == 0.0
-    train = [r for r in log if r["kind"] == "train"]
-    assert len(train) == 2 and all(math.isfinite(r["loss"]) for r in train) and len(train[-1]["mem_gib"]) == nproc
-    assert all(r["graphs"] == 2 for r in train), [r["graphs"] for r in train]    # one train + one eval graph
-
-
-def test_resume_continues_exactly(tmp_path):
-    """8 steps straight == 4 steps, a stop (the job is killed after its step-4 checkpoint), --resume, 4 more."""
-    flags = ["--max-steps", "8", "--log-interval", "1", "--eval-interval", "1000", "--save-interval", "4"]
-    _, straight = run_train(tmp_path / "a", *flags)
-    b = tmp_path / "b"
-    p = subprocess.Popen([sys.executable, os.path.join(HERE, "train.py"), "--out", str(b), *flags], cwd=HERE,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=clean_env())
-    for line in p.stdout:
-        if "step 4: saved" in line:
-            p.kill()
-            break
-    p.wait()
-    _, resumed = run_train(b, *flags, "--resume")
-    a_loss = {r["step"]: r["loss"] for r in straight if r["kind"] == "train"}
-    b_loss = {r["step"]: r["loss"] for r in resumed if r["kind"] == "train"}
-    assert {5, 6, 7, 8} <= set(b_loss), b_loss
-    for s in (5, 6, 7, 8):
-        assert abs(a_loss[s] - b_loss[s]) < 1e-5, (s, a_loss[s], b_loss[s])
-
-
-# -------------------------------------------------------------------------------------------------------------
-# reliability: faults, bad input, multi-node (issue 8)
-
-def demo_data():
-    return data.make_demo(os.path.join(HERE, "data", "demo"), log=lambda *a: None)
-
-
-def train_fails(tmp_path, *flags, nproc=None):
-    cmd = ([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port", "29531"]
-           if nproc else [sys.executable]) + [os.path.join(HERE, "train.py"), "--out", str(tmp_path), *flags]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=HERE, env=clean_env())
-    assert r.returncode != 0, r.stdout[-2000:]
-    return r.stdout + r.stderr
-
-
-def test_start_checks(tmp_path):
-    """Each mismatch is caught at start with one line that names the flag or file."""
-    demo = demo_data()
-    big = tmp_path / "bigvocab"
-    write_dataset(str(big / "train"), [(np.arange(600, dtype=np.uint32), np.ones(600, np.uint8))], vocab_size=1000)
-    assert "past the target's vocab (512)" in train_fails(tmp_path / "o1", "--data", str(big))
-    assert "--mask-token-id 99999 is not a row of the target's embedding" in train_fails(tmp_path / "o2", "--mask-token-id", "99999")
-    assert "--anchors 200 is too many for --budget 128" in train_fails(tmp_path / "o3", "--anchors", "200")
-    assert "--budget 16 must hold at least two blocks" in train_fails(tmp_path / "o4", "--budget", "16")
-    other = Drafter(DrafterConfig.from_target(TargetConfig.preset("tiny"), n_feat=2))   # taps [1, 5], not [1, 3, 5]
-    other.save_pretrained(str(tmp_path / "other"))
-    assert "does not match the target" in train_fails(tmp_path / "o5", "--init-drafter", str(tmp_path / "other"))
-    assert "DFlash pairs need an even number" in train_fails(tmp_path / "o6", "--data", demo, nproc=3)
-
-
-def test_bad_checkpoint_and_nonfinite(tmp_path):
-    """A truncated or foreign ckpt.pt is named in the error; a run whose loss goes non-finite skips those
-    updates on device, logs them with step and row, and stops with a message when they repeat."""
-    out = tmp_path / "o"
-    run_train(out, "--max-steps", "2", "--log-interval", "1", "--save-interval", "2")
-    good = (out / "ckpt.pt").read_bytes()
-    (out / "ckpt.pt").write_bytes(good[: len(good) // 2])
-    assert f"{out / 'ckpt.pt'} is not a readable checkpoint" in train_fails(out, "--max-steps", "4", "--resume")
-    torch.save({"model": {}}, out / "ckpt.pt")
-    assert f"{out / 'ckpt.pt'} is not a readable checkpoint" in train_fails(out, "--max-steps", "4", "--resume")
-    msg = train_fails(tmp_path / "nan", "--max-steps", "40", "--log-interval", "10", "--lr", "1e30")
-    assert "non-finite loss or grad norm, update skipped at (step, epoch, row)" in msg and "stopping" in msg, msg[-3000:]
-
-
-def test_killed_rank_stops_job_and_resume_continues(tmp_path):
-    """SIGKILL the drafter mid-run: the whole torchrun job exits within seconds (not a collective timeout),
-    the last checkpoint is intact, and --resume continues the same loss curve."""
-    import signal
-    import time
-    flags = ["--data", demo_data(), "--max-steps", "40", "--log-interval", "1", "--eval-interval", "1000", "--save-interval", "10"]
-    _, straight = run_train(tmp_path / "a", *flags)
-    b = tmp_path / "b"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", "29533",
-           os.path.join(HERE, "train.py"), "--out", str(b), *flags]
-    p = subprocess.Popen(cmd, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         env=clean_env())
-    for line in p.stdout:
-        if line.startswith("step 13/"):
-            break
-    drafter = [int(pid) for pid in os.listdir("/proc") if pid.isdigit() and _is_drafter(int(pid), str(b))]
-    assert len(drafter) == 1, drafter
-    t0 = time.time()
-    os.kill(drafter[0], signal.SIGKILL)
-    rest = p.communicate(timeout=120)[0]
-    assert p.returncode != 0 and time.time() - t0 < 60, (p.returncode, time.time() - t0)
-    assert "--resume" in rest, rest[-2000:]                       # the survivor says how to continue
-    _, resumed = run_train(b, *flags, "--resume", nproc=2)
-    a_loss = {r["step"]: r["loss"] for r in straight if r["kind"] == "train"}
-    steps = [r["step"] for r in resumed if r["kind"] == "train"]       # the killed run's lines, then the resumed run's
-    i = steps.index(11, 11)
-    assert steps[i:] == list(range(11, 41)) and steps[i - 1] >= 13, steps   # it restarted from the step-10 checkpoint
-    b_loss = {r["step"]: r["loss"] for r in resumed if r["kind"] == "train"}
-    for s in range(1, 41):
-        assert abs(a_loss[s] - b_loss[s]) < 1e-4, (s, a_loss[s], b_loss[s])
-
-
-def _is_drafter(pid, out):
-    try:
-        cmd = open(f"/proc/{pid}/cmdline").read().split("\0")
-        env = open(f"/proc/{pid}/environ").read().split("\0")
-    except OSError:
-        return False
-    return "--out" in cmd and out in cmd and "LOCAL_RANK=1" in env and "torch.distributed.run" not in " ".join(cmd)
-
-
-def test_multinode_gloo_and_caches(tmp_path):
-    """torchrun --nnodes=2 --nproc_per_node=2 on loopback: each pair stays in its node, both drafters end
-    identical; every rank has its own cache dirs; --fresh-cache empties them."""
-    cache = tmp_path / "cache"
-    marker = cache / "rank0" / "triton" / "stale"
-    marker.parent.mkdir(parents=True)
-    marker.write_text("x")
-    flags = ["--data", demo_data(), "--max-steps", "4", "--log-interval", "2", "--eval-interval", "2",
-             "--cache-dir", str(cache), "--fresh-cache"]
-    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2",
-                               f"--node_rank={n}", "--master_addr=127.0.0.1", "--master_port=29535",
-                               os.path.join(HERE, "train.py"), "--out", str(tmp_path / "o"), *flags],
-                              cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env=clean_env()) for n in (0, 1)]
-    outs = [p.communicate(timeout=600)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), outs[0][-2000:] + outs[1][-2000:]
-    log = outs[0] + outs[1]
-    assert "2 pair(s)" in log and float(log.split("max abs diff ")[1].split()[0]) == 0.0
-    roles = [l.split() for l in log.splitlines() if l.startswith("  rank ")]
-    assert [(r[1], r[2], r[4]) for r in roles] == [("0:", "target", "0"), ("1:", "drafter", "0"),
-                                                   ("2:", "target", "1"), ("3:", "drafter", "1")]
-    dirs = [d for l in log.splitlines() if l.startswith("  rank ") for d in l.split("caches ")[1].split()]
-    assert len(dirs) == 8 == len(set(dirs)), dirs
-    assert not marker.exists()
-
-
-def test_crash_while_writing_checkpoint(tmp_path):
-    """A process that dies in the middle of writing ckpt.pt (here: killed by the file-size limit, SIGXFSZ,
-    once the file passes 1.5 MB) leaves the previous checkpoint whole: the next --resume starts from it."""
-    import resource
-    flags = ["--max-steps", "4", "--log-interval", "1", "--eval-interval", "1000", "--save-interval", "2"]
-    run_train(tmp_path, *flags[:1], "2", *flags[2:])                      # a good checkpoint at step 2
-    assert torch.load(tmp_path / "ckpt.pt", weights_only=False)["step"] == 2
-    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (3 << 19, 3 << 19))
-    r = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), "--out", str(tmp_path), *flags, "--resume"],
-                       cwd=HERE, capture_output=True, text=True, preexec_fn=limit, timeout=600, env=clean_env())
-    assert r.returncode != 0 and os.path.getsize(tmp_path / "ckpt.pt") > 3 << 19   # it died writing the step-4 one
-    assert torch.load(tmp_path / "ckpt.pt", weights_only=False)["step"] == 2
-    _, log = run_train(tmp_path, *flags, "--resume")
-    assert [r["step"] for r in log if r["kind"] == "train"][-2:] == [3, 4]
-
-
-def test_broken_cache_gives_advice_and_fresh_cache_fixes_it(tmp_path):
-    """A cache that can't be used (here the inductor cache path is a stray file) stops the run with the rank's
-    cache dirs and the --fresh-cache advice; --fresh-cache then runs."""
-    cache = tmp_path / "cache"
-    (cache / "rank0").mkdir(parents=True)
-    (cache / "rank0" / "inductor").write_text("not a directory")
-    flags = ["--max-steps", "2", "--log-interval", "1", "--cache-dir", str(cache)]
-    msg = train_fails(tmp_path / "o", *flags)
-    assert "rerun with --fresh-cache" in msg and str(cache / "rank0" / "inductor") in msg, msg[-3000:]
-    run_train(tmp_path / "o", *flags, "--fresh-cache")

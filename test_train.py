@@ -1,0 +1,287 @@
+"""
+train.py end to end, in real processes on CPU: the demo run, torchrun pairs over gloo, resume, and the
+faults a long job meets (bad flags, bad checkpoints, a non-finite loss, a killed rank, a crash mid-save,
+a broken compile cache, two nodes). Minutes: each test trains the tiny target's drafter a few steps.
+Run: python -m pytest -q test_smoke.py test_train.py (the demo dataset is built once, in data/demo)
+"""
+import json
+import math
+import os
+import re
+import resource
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import data
+from data import write_dataset
+from model import Drafter, DrafterConfig
+from target import Target, TargetConfig
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def demo_data():
+    return data.make_demo(os.path.join(HERE, "data", "demo"), log=lambda *a: None)
+
+
+def clean_env():
+    # like a fresh shell: inductor writes its default TORCHINDUCTOR_CACHE_DIR into os.environ once
+    # anything in this process compiled, and an inherited value would (rightly) be taken as the
+    # user's choice for all ranks
+    drop = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    return {**env, "OMP_NUM_THREADS": "1"}
+
+
+def train_cmd(out, *flags, nproc=1, port=29500, nnodes=1, node_rank=0):
+    """The command line of `train.py --out OUT FLAGS`: plain python for one process, else torchrun
+    with nproc processes per node, nnodes nodes on loopback (this one is node node_rank)."""
+    script = [os.path.join(HERE, "train.py"), "--out", str(out), *map(str, flags)]
+    if nproc == 1 and nnodes == 1:
+        return [sys.executable, *script]
+    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
+            f"--node_rank={node_rank}", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
+            f"--master_port={port}", *script]
+
+
+def start(out, *flags, popen_kw=None, **cmd_kw):
+    """Starts train.py (see train_cmd); p.stdout is its stdout and stderr, interleaved."""
+    return subprocess.Popen(train_cmd(out, *flags, **cmd_kw), cwd=HERE, env=clean_env(), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **(popen_kw or {}))
+
+
+def train(out, *flags, ok=True, **kw):
+    """Runs train.py to its end, checks that it succeeded (ok) or failed (not ok), returns its output."""
+    p = start(out, *flags, **kw)
+    try:
+        text = p.communicate(timeout=900)[0]
+    finally:
+        p.kill()   # a no-op once it has exited; a hung run is not left behind
+    assert (p.returncode == 0) == ok, f"{' '.join(p.args)} exited {p.returncode}:\n{text[-4000:]}"
+    return text
+
+
+def train_log(out, kind="train"):
+    """The records of one kind ("train", "eval", ...) in OUT/log.jsonl, in order."""
+    with open(os.path.join(out, "log.jsonl")) as f:
+        return [r for r in map(json.loads, f) if r["kind"] == kind]
+
+
+def losses(out):
+    return {r["step"]: r["loss"] for r in train_log(out)}
+
+
+def printed_steps(text):
+    """The steps of the train lines a run printed ("step 5/8 | ..."), in order."""
+    return [int(s) for s in re.findall(r"^step (\d+)/\d+ \|", text, re.M)]
+
+
+def max_abs_diff(text):
+    """The end-of-run check that data parallel left every drafter with the same weights."""
+    m = re.search(r"^end: drafter weights identical across \d+ drafter\(s\): max abs diff (\S+)$",
+                  text, re.M)
+    assert m, text[-2000:]
+    return float(m.group(1))
+
+
+# ==================================================================================================
+# runs: defaults, torchrun pairs over gloo, resume
+
+def test_train_demo_defaults(tmp_path):
+    """`python train.py` as a new user runs it: tiny target, demo data, defaults. Held-out acceptance
+    must rise."""
+    t0 = time.time()
+    train(tmp_path)
+    evals = train_log(tmp_path, "eval")
+    print(f"python train.py: {time.time() - t0:.0f} s, held-out accept {evals[0]['accept']:.3f} -> "
+          f"{evals[-1]['accept']:.3f}, loss {evals[0]['loss']:.3f} -> {evals[-1]['loss']:.3f}")
+    assert evals[0]["accept"] < 1.05 and evals[-1]["accept"] > 1.12, [e["accept"] for e in evals]
+    assert evals[-1]["loss"] < evals[0]["loss"] - 0.5
+    # the z-lab export reproduces the trained drafter (fp32 master weights rounded to bf16, as exported)
+    ck = torch.load(tmp_path / "ckpt.pt", weights_only=False)
+    trained = Drafter(DrafterConfig(**ck["drafter_config"]))
+    trained.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in ck["drafter"].items()})
+    exported = Drafter.from_pretrained(str(tmp_path / "drafter"))
+    tgt = Target.build(TargetConfig.preset("tiny"))
+    ids = torch.randint(1, 500, (40,))
+    feats = tgt.features(ids, torch.tensor([0, 40]), trained.config.target_layer_ids)
+    args = (feats[:30], torch.arange(30), ids[30], torch.tensor(30), tgt.embed_tokens.weight,
+            tgt.lm_head.weight)
+    assert torch.equal(trained.propose(*args)[1], exported.propose(*args)[1])
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_torchrun_pairs_gloo(tmp_path, nproc):
+    """One pair (2 processes) and two pairs (4): targets stream features to drafters, drafters
+    all-reduce."""
+    flags = ["--max-steps", "6", "--log-interval", "3", "--eval-interval", "3"]
+    out = train(tmp_path, *flags, nproc=nproc, port=29500 + nproc)
+    assert f"{nproc // 2} pair(s)" in out and max_abs_diff(out) == 0.0, out[-2000:]
+    log = train_log(tmp_path)
+    assert len(log) == 2 and all(math.isfinite(r["loss"]) for r in log)
+    assert len(log[-1]["mem_gib"]) == nproc                             # every rank reported
+    assert all(r["graphs"] == 2 for r in log), [r["graphs"] for r in log]   # one train, one eval graph
+
+
+def test_resume_continues_exactly(tmp_path):
+    """8 steps straight == 4 steps, a stop (killed after its step-4 checkpoint), --resume, 4 more."""
+    flags = ["--max-steps", "8", "--log-interval", "1", "--eval-interval", "1000",
+             "--save-interval", "4"]
+    train(tmp_path / "a", *flags)
+    b = tmp_path / "b"
+    p = start(b, *flags)
+    for line in p.stdout:
+        if "step 4: saved" in line:
+            break
+    p.kill()
+    p.wait()
+    assert p.returncode == -signal.SIGKILL       # killed before its end
+    resumed = train(b, *flags, "--resume")
+    assert printed_steps(resumed) == [5, 6, 7, 8]  # it continued from the step-4 checkpoint
+    a_loss, b_loss = losses(tmp_path / "a"), losses(b)
+    for s in (5, 6, 7, 8):
+        assert abs(a_loss[s] - b_loss[s]) < 1e-5, (s, a_loss[s], b_loss[s])
+
+
+# ==================================================================================================
+# faults: bad flags and files, non-finite loss, killed rank, crash mid-save, broken cache, two nodes
+
+def test_start_checks(tmp_path):
+    """Each mismatch is caught at start with one line that names the flag or file."""
+    demo = demo_data()
+    big = tmp_path / "bigvocab"
+    sample = (np.arange(600, dtype=np.uint32), np.ones(600, np.uint8))
+    write_dataset(str(big / "train"), [sample], vocab_size=1000)
+    fails = lambda name, *flags, **kw: train(tmp_path / name, *flags, ok=False, **kw)
+    assert "past the target's vocab (512)" in fails("o1", "--data", big)
+    assert "--mask-token-id 99999 is not a row of the target's embedding" in fails(
+        "o2", "--mask-token-id", "99999")
+    assert "--anchors 200 is too many for --budget 128" in fails("o3", "--anchors", "200")
+    assert "--budget 16 must hold at least two blocks" in fails("o4", "--budget", "16")
+    # a drafter on taps [1, 5], not the default [1, 3, 5]
+    other = Drafter(DrafterConfig.from_target(TargetConfig.preset("tiny"), n_feat=2))
+    other.save_pretrained(str(tmp_path / "other"))
+    assert "does not match the target" in fails("o5", "--init-drafter", tmp_path / "other")
+    assert "DFlash pairs need an even number" in fails("o6", "--data", demo, nproc=3, port=29531)
+
+
+def test_bad_checkpoint_and_nonfinite(tmp_path):
+    """A truncated or foreign ckpt.pt is named in the error; a run whose loss goes non-finite skips those
+    updates on device, logs them with step and row, and stops with a message when they repeat."""
+    out = tmp_path / "o"
+    train(out, "--max-steps", "2", "--log-interval", "1", "--save-interval", "2")
+    good = (out / "ckpt.pt").read_bytes()
+    (out / "ckpt.pt").write_bytes(good[: len(good) // 2])
+    bad = f"{out / 'ckpt.pt'} is not a readable checkpoint"
+    assert bad in train(out, "--max-steps", "4", "--resume", ok=False)
+    torch.save({"model": {}}, out / "ckpt.pt")
+    assert bad in train(out, "--max-steps", "4", "--resume", ok=False)
+    flags = ["--max-steps", "40", "--log-interval", "10", "--lr", "1e30"]
+    msg = train(tmp_path / "nan", *flags, ok=False)
+    assert "non-finite loss or grad norm, update skipped at (step, epoch, row)" in msg, msg[-3000:]
+    assert "stopping" in msg, msg[-3000:]
+
+
+def drafter_pids(out):
+    """The pids of the local-rank-1 (drafter) processes of a torchrun job of train.py --out OUT."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline") as f:
+                cmd = f.read().split("\0")
+            with open(f"/proc/{pid}/environ") as f:
+                env = f.read().split("\0")
+        except OSError:
+            continue
+        worker = "--out" in cmd and out in cmd and "torch.distributed.run" not in " ".join(cmd)
+        if worker and "LOCAL_RANK=1" in env:
+            pids.append(int(pid))
+    return pids
+
+
+def test_killed_rank_stops_job_and_resume_continues(tmp_path):
+    """SIGKILL the drafter mid-run: the whole torchrun job exits within seconds (not a collective
+    timeout), the last checkpoint is intact, and --resume continues the same loss curve."""
+    flags = ["--data", demo_data(), "--max-steps", "40", "--log-interval", "1",
+             "--eval-interval", "1000", "--save-interval", "10"]
+    train(tmp_path / "a", *flags)
+    b = tmp_path / "b"
+    p = start(b, *flags, nproc=2, port=29533)
+    for line in p.stdout:
+        if line.startswith("step 13/"):
+            break
+    drafter = drafter_pids(str(b))
+    assert len(drafter) == 1, drafter
+    t0 = time.time()
+    os.kill(drafter[0], signal.SIGKILL)
+    rest = p.communicate(timeout=120)[0]
+    assert p.returncode != 0 and time.time() - t0 < 60, (p.returncode, time.time() - t0)
+    assert "--resume" in rest, rest[-2000:]                   # the survivor says how to continue
+    resumed = train(b, *flags, "--resume", nproc=2, port=29534)
+    assert printed_steps(resumed) == list(range(11, 41))     # from the step-10 checkpoint
+    # the log: the killed run's lines (up to step 13 or later), then the resumed run's
+    steps = [r["step"] for r in train_log(b)]
+    killed = len(steps) - 30
+    assert killed >= 13 and steps == list(range(1, killed + 1)) + list(range(11, 41)), steps
+    a_loss, b_loss = losses(tmp_path / "a"), losses(b)
+    for s in range(1, 41):
+        assert abs(a_loss[s] - b_loss[s]) < 1e-4, (s, a_loss[s], b_loss[s])
+
+
+def test_multinode_gloo_and_caches(tmp_path):
+    """torchrun --nnodes=2 --nproc_per_node=2 on loopback: each pair stays in its node, both drafters
+    end identical; every rank has its own cache dirs; --fresh-cache empties them."""
+    cache = tmp_path / "cache"
+    marker = cache / "rank0" / "triton" / "stale"
+    marker.parent.mkdir(parents=True)
+    marker.write_text("x")
+    flags = ["--data", demo_data(), "--max-steps", "4", "--log-interval", "2", "--eval-interval", "2",
+             "--cache-dir", cache, "--fresh-cache"]
+    node = lambda n: start(tmp_path / "o", *flags, nproc=2, nnodes=2, node_rank=n, port=29535)
+    procs = [node(0), node(1)]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs[0][-2000:] + outs[1][-2000:]
+    out = outs[0]   # the first drafter, rank 1 on node 0, prints the banner and the end check
+    assert "2 pair(s)" in out and max_abs_diff(out) == 0.0
+    # the banner's "  rank R: ROLE pair P on DEVICE | caches TRITON INDUCTOR" lines
+    ranks = re.findall(r"^  rank (\d): (\w+) +pair (\d) on cpu \| caches (\S+) (\S+)$", out, re.M)
+    want = [(str(r), role, str(r // 2), f"{cache}/rank{r}/triton", f"{cache}/rank{r}/inductor")
+            for r, role in enumerate(["target", "drafter"] * 2)]
+    assert ranks == want, ranks
+    assert not marker.exists()
+    log = train_log(tmp_path / "o")
+    assert [r["step"] for r in log] == [2, 4] and all(len(r["mem_gib"]) == 4 for r in log)
+
+
+def test_crash_while_writing_checkpoint(tmp_path):
+    """A process that dies in the middle of writing ckpt.pt (here: killed by the file-size limit,
+    SIGXFSZ, once the file passes 1.5 MB) leaves the previous checkpoint whole: the next --resume
+    starts from it."""
+    flags = ["--log-interval", "1", "--eval-interval", "1000", "--save-interval", "2"]
+    train(tmp_path, "--max-steps", "2", *flags)                       # a good checkpoint at step 2
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=False)["step"] == 2
+    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (3 << 19, 3 << 19))
+    train(tmp_path, "--max-steps", "4", *flags, "--resume", ok=False, popen_kw=dict(preexec_fn=limit))
+    assert os.path.getsize(tmp_path / "ckpt.pt") > 3 << 19           # it died writing the step-4 one
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=False)["step"] == 2
+    resumed = train(tmp_path, "--max-steps", "4", *flags, "--resume")
+    assert printed_steps(resumed) == [3, 4]
+    assert [r["step"] for r in train_log(tmp_path)][-2:] == [3, 4]
+
+
+def test_broken_cache_gives_advice_and_fresh_cache_fixes_it(tmp_path):
+    """A cache that can't be used (here the inductor cache path is a stray file) stops the run with
+    the rank's cache dirs and the --fresh-cache advice; --fresh-cache then runs."""
+    cache = tmp_path / "cache"
+    (cache / "rank0").mkdir(parents=True)
+    (cache / "rank0" / "inductor").write_text("not a directory")
+    flags = ["--max-steps", "2", "--log-interval", "1", "--cache-dir", cache]
+    msg = train(tmp_path / "o", *flags, ok=False)
+    assert "rerun with --fresh-cache" in msg and str(cache / "rank0" / "inductor") in msg, msg[-3000:]
+    train(tmp_path / "o", *flags, "--fresh-cache")
