@@ -50,6 +50,7 @@ def sample_anchors(loss_mask, doc, per_doc, capacity):
     rank[order] = i - first                                                 # draw order within the document
     wanted = eligible & (rank < per_doc)
     score = torch.where(wanted, rank + key, float("inf"))                  # capacity: lowest ranks first
+    score = F.pad(score, (0, max(0, capacity - (S - 1))), value=float("inf"))  # a capacity past the row
     picked = score.topk(capacity, largest=False).indices
     keep = score[picked] < float("inf")
     anchors = torch.where(keep, picked, S).sort().values                   # padded slots sort last

@@ -58,7 +58,7 @@ def train_drafter(run, out, steps=90):
     d = Drafter(cfg)
     opt = torch.optim.AdamW(d.parameters(), lr=3e-3)
     for _ in range(steps):
-        anchors, keep = sample_anchors(loss_mask, doc, 48)
+        anchors, keep, _ = sample_anchors(loss_mask, doc, 48, 96)
         out_ = d(feats, tokens, loss_mask, doc, pos, anchors, keep, t.embed_tokens.weight, t.lm_head.weight)
         out_["loss"].backward()
         opt.step()

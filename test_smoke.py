@@ -670,7 +670,7 @@ def test_anchor_blocks_match_create_block_mask(S, N, B, docs, p):
     doc = doc_of(torch.tensor([0, *sorted(cuts.tolist()), S]))
     lm = (torch.rand(S, generator=g) < p).long()
     torch.manual_seed(N)
-    anchors, keep = sample_anchors(lm, doc, N)
+    anchors, keep, _ = sample_anchors(lm, doc, S, N)
     got = anchor_blocks(anchors, keep, doc, S, B)
     ref = create_block_mask(anchor_mask_mod(anchors, keep, doc, S, B), None, None, N * B, S + N * B, device="cpu")
     names = ["kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices",
@@ -761,12 +761,12 @@ def drafter_rows():
         tokens = torch.randint(0, t.config.vocab_size - 1, (S,), generator=g)
         doc, pos = doc_of(cu), positions_from_cu(cu)
         loss_mask = (torch.rand(S, generator=g) < (0.35 if full else 0.7)).long()
-        loss_mask[cu[:-1] + 1] = 1                        # every document start is a valid anchor
-        n_valid = int(((loss_mask[1:] > 0) & (doc[1:] == doc[:-1])).sum())
+        loss_mask[cu[:-1]] = loss_mask[cu[:-1] + 1] = 1   # every document start is a valid anchor
+        n_valid = int(((loss_mask[1:] > 0) & (loss_mask[:-1] > 0) & (doc[1:] == doc[:-1])).sum())
         # full: n > #valid, so every valid anchor (document starts too) is kept, 3 slots are padding
         n = n_valid + 3 if full else 6
         torch.manual_seed(int(S))
-        anchors, keep = sample_anchors(loss_mask, doc, n)
+        anchors, keep, _ = sample_anchors(loss_mask, doc, S, n)
         feats = t.features(tokens, cu, cfg.target_layer_ids).clone()
         rows.append(dict(cu=cu, S=S, tokens=tokens, doc=doc, pos=pos, loss_mask=loss_mask, anchors=anchors,
                          keep=keep, feats=feats, full=full))
@@ -947,7 +947,7 @@ def test_fully_masked_row(hand, case):
     S = len(HAND_DOC)
     if case == "no_anchors":          # nothing supervised: sample_anchors keeps no slot
         r["loss_mask"] = torch.zeros(S, dtype=torch.long)
-        r["anchors"], r["keep"] = sample_anchors(r["loss_mask"], r["doc"], 4)
+        r["anchors"], r["keep"], _ = sample_anchors(r["loss_mask"], r["doc"], 4, 4)
         assert not r["keep"].any() and (r["anchors"] == 0).all()
     else:                             # kept anchors, but every slot falls past the row end / unsupervised
         r["loss_mask"] = torch.tensor([1] * 12 + [0, 0])
@@ -1001,19 +1001,37 @@ def test_drafter_flops_count_every_matmul(drafter_rows):
 # -----------------------------------------------------------------------------
 # anchor sampling
 
-def check_anchors(loss_mask, doc, n, anchors, keep):
-    S = loss_mask.shape[0]
-    valid = [a for a in range(S - 1) if loss_mask[a + 1] and doc[a + 1] == doc[a]]
-    assert anchors.shape == keep.shape == (n,) and anchors.dtype == torch.long and keep.dtype == torch.bool
+def eligible_by_doc(loss_mask, doc):
+    # the recipe's rule, per position: anchor and next token supervised, one document
+    S, out = len(loss_mask), {}
+    for a in range(S - 1):
+        if loss_mask[a] and loss_mask[a + 1] and doc[a] == doc[a + 1]:
+            out.setdefault(int(doc[a]), []).append(a)
+    return out
+
+
+def check_anchors(loss_mask, doc, per_doc, cap, anchors, keep, wanted):
+    """sample_anchors' output against a brute-force reference: eligibility, sorted and unique, padding last,
+    and per document min(per_doc, eligible) anchors, cut to the capacity max-min fairly: with the level L the
+    largest for which sum_d min(q_d, L) <= cap, every document gets min(q_d, L) or min(q_d, L + 1)."""
+    eligible = eligible_by_doc(loss_mask, doc)
+    q = {d: min(per_doc, len(v)) for d, v in eligible.items()}
+    assert anchors.shape == keep.shape == (cap,) and anchors.dtype == torch.long and keep.dtype == torch.bool
+    assert int(wanted) == sum(q.values())
     m = int(keep.sum())
-    assert m == min(n, len(valid))
-    assert keep[:m].all() and not keep[m:].any()           # padded slots come last
-    assert (anchors[m:] == 0).all()
+    assert m == min(cap, sum(q.values()))
+    assert keep[:m].all() and not keep[m:].any() and (anchors[m:] == 0).all()     # padded slots last
     kept = anchors[:m].tolist()
-    assert kept == sorted(set(kept))                       # sorted, unique
-    for a in kept:
-        assert a + 1 < S and loss_mask[a + 1] == 1 and doc[a + 1] == doc[a]
-    return kept, valid
+    assert kept == sorted(set(kept))                                               # sorted, unique
+    got = {d: [a for a in kept if doc[a] == d] for d in eligible}
+    assert sum(len(v) for v in got.values()) == m                                  # only eligible positions
+    level = 0
+    while level < cap and sum(min(n, level + 1) for n in q.values()) <= cap:
+        level += 1
+    for d, v in got.items():
+        assert set(v) <= set(eligible[d])
+        assert min(q[d], level) <= len(v) <= min(q[d], level + 1), (d, len(v), q[d], level)
+    return got, eligible
 
 
 def test_sample_anchors_invariants():
@@ -1024,28 +1042,81 @@ def test_sample_anchors_invariants():
         cuts = torch.randperm(S - 1, generator=g)[: int(torch.randint(0, 5, (), generator=g))] + 1
         doc = doc_of(torch.tensor([0, *sorted(cuts.tolist()), S]))
         loss_mask = (torch.rand(S, generator=g) < [0.5, 0.1, 0.9, 0.0][it % 4]).long()
-        for n in (1, 8, S - 1):
-            anchors, keep = sample_anchors(loss_mask, doc, n)
-            kept, valid = check_anchors(loss_mask, doc, n, anchors, keep)
-            if n >= len(valid):
-                assert kept == valid                      # fewer valid than n: all of them, exactly
+        for per_doc in (1, 3, S):
+            for cap in (1, 8, S - 1):
+                got, eligible = check_anchors(loss_mask, doc, per_doc, cap,
+                                              *sample_anchors(loss_mask, doc, per_doc, cap))
+                if per_doc == S and cap == S - 1:
+                    assert got == eligible                 # no limit: every eligible position, exactly
+
+
+def test_sample_anchors_cut_fairly_by_hand():
+    # documents with 2, 9 and 5 eligible positions, 3 per document asked, capacity 7: the short document keeps
+    # its 2, the other two share the 5 left (3 + 2 or 2 + 3); capacity 4: 2 + 1 + 1 (in some order)
+    doc = torch.tensor([0] * 3 + [1] * 10 + [2] * 6)
+    loss_mask = torch.ones(19, dtype=torch.long)
+    for cap, total in ((7, 7), (4, 4), (20, 8)):
+        for seed in range(20):
+            torch.manual_seed(seed)
+            anchors, keep, wanted = sample_anchors(loss_mask, doc, 3, cap)
+            counts = sorted(int((doc[anchors[keep]] == d).sum()) for d in range(3))
+            assert int(wanted) == 8 and sum(counts) == total
+            assert counts == {7: [2, 2, 3], 4: [1, 1, 2], 20: [2, 3, 3]}[cap], (cap, counts)
 
 
 def test_sample_anchors_uniform():
     #            0  1  2  3  4  5  6  7  8  9 10 11 12 13 14 15 16 17 18 19
-    loss_mask = torch.tensor([0, 1, 1, 0, 1, 1, 1, 0, 0, 1, 1, 1, 0, 1, 0, 0, 1, 1, 0, 1])
-    doc = torch.tensor([0] * 9 + [1] * 7 + [2] * 4)         # pos 8 -> 9 and 15 -> 16 cross a document boundary
-    valid = [0, 1, 3, 4, 5, 9, 10, 12, 16, 18]
-    n, draws = 3, 2000
+    loss_mask = torch.tensor([0, 1, 1, 0, 1, 1, 1, 0, 0, 1, 1, 1, 0, 1, 1, 0, 1, 1, 0, 1])
+    doc = torch.tensor([0] * 9 + [1] * 7 + [2] * 4)         # 15 -> 16 crosses a document boundary
+    valid = {0: [1, 4, 5], 1: [9, 10, 13], 2: [16]}          # 2 -> 3, 6 -> 7, 14 -> 15: next not supervised
+    per_doc, draws = 2, 3000
     torch.manual_seed(1)
     counts = torch.zeros(20)
     for _ in range(draws):
-        anchors, keep = sample_anchors(loss_mask, doc, n)
-        assert keep.all()
-        counts[anchors] += 1
-    assert torch.nonzero(counts).view(-1).tolist() == valid
-    expected = draws * n / len(valid)                        # 600; binomial sd ~ 20
-    assert ((counts[valid] - expected).abs() < 0.15 * expected).all(), counts[valid]
+        anchors, keep, _ = sample_anchors(loss_mask, doc, per_doc, 8)
+        assert keep.sum() == 5
+        counts[anchors[keep]] += 1
+    assert torch.nonzero(counts).view(-1).tolist() == sorted(a for v in valid.values() for a in v)
+    for d, positions in valid.items():      # each position of a document with n eligible: min(2, n) / n
+        expected = draws * min(per_doc, len(positions)) / len(positions)   # 2000 (sd ~26) or 3000
+        assert ((counts[positions] - expected).abs() <= 0.06 * expected).all(), (d, counts[positions])
+
+
+def test_sample_anchors_deterministic():
+    # train.py seeds torch from (seed, step, pair) before drawing: the same seed gives the same anchors
+    loss_mask = (torch.rand(300, generator=torch.Generator().manual_seed(0)) < 0.6).long()
+    doc = doc_of(torch.tensor([0, 70, 200, 300]))
+    draws = []
+    for seed in (5, 5, 6):
+        torch.manual_seed(seed)
+        draws.append(sample_anchors(loss_mask, doc, 16, 40)[0])
+    assert torch.equal(draws[0], draws[1]) and not torch.equal(draws[0], draws[2])
+
+
+def test_packed_loss_is_weighted_mean_of_document_losses(drafter_rows):
+    """The loss on a packed row, sum(w * CE) / sum(w), equals the mean of the losses a one-sample-per-row
+    trainer computes on each document alone with the same anchors, weighted by each document's sum of
+    weights W_d: L_row = sum_d W_d L_d / sum_d W_d. (An unweighted mean of L_d would over-weight short
+    documents; per block, both trainers weigh every supervised slot alike.)"""
+    t, d, rows = drafter_rows
+    r = rows[0]
+    out = forward(d, t, r)
+    num = den = 0.0
+    for s, e in zip(r["cu"][:-1].tolist(), r["cu"][1:].tolist()):
+        sel = r["keep"] & (r["anchors"] >= s) & (r["anchors"] < e)
+        if not sel.any():
+            continue
+        one = dict(feats=r["feats"][s:e], tokens=r["tokens"][s:e], loss_mask=r["loss_mask"][s:e],
+                   doc=torch.zeros(e - s, dtype=torch.long), pos=r["pos"][s:e], anchors=r["anchors"][sel] - s,
+                   keep=torch.ones(int(sel.sum()), dtype=torch.bool))
+        o = forward(d, t, one)
+        k = torch.arange(1, d.config.block_size)
+        idx = one["anchors"][:, None] + k
+        inside = idx < e - s
+        sup = inside & (one["loss_mask"][idx.clamp(max=e - s - 1)] > 0)
+        w_d = (sup.float() * torch.exp(-(k - 1).float() / 7.0)).sum().item()
+        num, den = num + w_d * o["loss"].item(), den + w_d
+    assert abs(out["loss"].item() - num / den) <= 1e-5 * out["loss"].item()
 
 
 # -----------------------------------------------------------------------------
