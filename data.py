@@ -77,7 +77,8 @@ class _Writer:
                     n_tokens=self.n_tokens, n_supervised=self.n_supervised, max_id=self.max_id, **extra)
         with open(os.path.join(self.tmp, "meta.json"), "w") as f:
             json.dump(meta, f, indent=1)
-        if os.path.exists(self.out):  # --force: move the old one aside first, so there is never a half state
+        # --force: move the old one aside first, so there is never a half state
+        if os.path.exists(self.out):
             old = f"{os.path.normpath(self.out)}.old-{os.getpid()}"
             os.rename(self.out, old)
             os.rename(self.tmp, self.out)
@@ -157,12 +158,16 @@ def open_dataset(path):
 class Row(NamedTuple):
     tokens: np.ndarray      # int64 [budget], padding id 0
     loss_mask: np.ndarray   # uint8 [budget], 0 on padding
-    doc: np.ndarray         # int32 [budget], 0,1,2,... per packed sample; the padding tail gets the next index
-    pos: np.ndarray         # int64 [budget], position within its document (restarts at 0, padding tail too)
-    cu_seqlens: np.ndarray  # int64 [n_docs + 1], document boundaries incl. the padding tail; ends at budget
+    # int32 [budget], 0,1,2,... per packed sample; the padding tail gets the next index
+    doc: np.ndarray
+    # int64 [budget], position within its document (restarts at 0, padding tail too)
+    pos: np.ndarray
+    # int64 [n_docs + 1], document boundaries incl. the padding tail; ends at budget
+    cu_seqlens: np.ndarray
     samples: np.ndarray     # int64 dataset indices of the packed samples, in row order
     epoch: int
-    index: int              # row index within the epoch (>= the epoch's row count for a shard's filler row)
+    # row index within the epoch (>= the epoch's row count for a shard's filler row)
+    index: int
 
 class Packer:
     """Per epoch: a seeded shuffle of the samples, packed next-fit in that order into rows; row r goes to
@@ -189,7 +194,8 @@ class Packer:
         n = len(self.ds)
         order = np.random.default_rng((self.seed, self.epoch)).permutation(n) if self.shuffle else np.arange(n)
         lens, starts, used = self._len[order], [0], 0
-        for c in range(0, n, 1 << 16):  # chunked, so tolist() never holds millions of Python ints at once
+        # chunked, so tolist() never holds millions of Python ints at once
+        for c in range(0, n, 1 << 16):
             for i, l in enumerate(lens[c:c + (1 << 16)].tolist(), c):
                 if used + l > self.budget:  # next-fit: the sample does not fit, so close this row
                     starts.append(i)
@@ -197,7 +203,8 @@ class Packer:
                 used += l
         starts.append(n)
         self._order, self._starts = order, np.array(starts, np.int64)
-        self.steps_per_epoch = -(-(len(starts) - 1) // self.n_shards)  # ceil: short shards get a filler row
+        # ceil: short shards get a filler row
+        self.steps_per_epoch = -(-(len(starts) - 1) // self.n_shards)
         self._planned = (self.epoch, self.seed)
 
     def next_row(self):
@@ -284,7 +291,8 @@ def _chat_encoder(path):
         enc = tok.encode_batch(pieces, add_special_tokens=False)
         ids, mask = [], []
         for m, head, body in zip(messages, enc[0::2], enc[1::2]):
-            a = int(m["role"] == "assistant")  # supervise the answer and its <|im_end|>, not the header
+            # supervise the answer and its <|im_end|>, not the header
+            a = int(m["role"] == "assistant")
             ids += [start, *head.ids, *body.ids, end, *nl]
             mask += [0] * (1 + len(head.ids)) + [a] * (len(body.ids) + 1) + [0] * len(nl)
         return ids, mask
@@ -297,7 +305,8 @@ def _parse(line, bound, chat, where):
     except ValueError as e:
         raise _Bad("malformed JSON", str(e))
     if isinstance(obj, dict) and "input_ids" in obj:
-        try:  # ragged or huge values make numpy raise; strings, floats and nesting are caught just below
+        # ragged or huge values make numpy raise; strings, floats and nesting are caught just below
+        try:
             ids = np.asarray(obj["input_ids"])
             mask = np.asarray(obj.get("loss_mask", np.ones(ids.shape, np.uint8)))
         except (ValueError, TypeError, OverflowError) as e:
@@ -332,7 +341,8 @@ def prepare(input, out, tokenizer=None, val=None, vocab_size=None, force=False, 
     chat, tok_vocab = _chat_encoder(tokenizer) if tokenizer else (None, None)
     bound = min(v for v in (vocab_size, tok_vocab, 2**32) if v)
     n_lines = n_val = 0
-    if val:  # held-out split: spread n_val lines evenly over the file, which needs its line count first
+    # held-out split: spread n_val lines evenly over the file, which needs its line count first
+    if val:
         with open(input, "rb") as f:
             n_lines = sum(1 for _ in f)
         n_val = round(val * n_lines) if isinstance(val, float) else val
@@ -355,7 +365,8 @@ def prepare(input, out, tokenizer=None, val=None, vocab_size=None, force=False, 
                     if bad[e.args[0]] <= 10:
                         log(f"{input}:{lineno}: {e.args[0]}: {e.args[1]}")
                     continue
-                i = lineno - 1  # line i is held out when floor(i * n_val / n_lines) steps up: exactly n_val lines
+                # line i is held out when floor(i * n_val / n_lines) steps up: exactly n_val lines
+                i = lineno - 1
                 writers[1 if n_val and (i + 1) * n_val // n_lines > i * n_val // n_lines else 0].add(ids, mask)
                 n_tok += len(ids)
                 if time.time() - last > 5:
@@ -380,7 +391,8 @@ def prepare(input, out, tokenizer=None, val=None, vocab_size=None, force=False, 
             w.abort()
         raise
     if force and not n_val and os.path.exists(os.path.join(out, "val")):
-        shutil.rmtree(os.path.join(out, "val"))  # a stale split from an earlier run would silently mismatch
+        # a stale split from an earlier run would silently mismatch
+        shutil.rmtree(os.path.join(out, "val"))
         log(f"removed the old {os.path.join(out, 'val')}")
     _summary(out, metas, t0, log)
     return metas
@@ -406,15 +418,16 @@ def make_demo(out_dir, samples=384, val_samples=32, new_tokens=48, seed=0, force
             log(f"reusing the demo in {out_dir}")
             return out_dir
     except (OSError, ValueError):
-        pass  # not there, or not this demo: make it (and _Writer refuses to overwrite without force)
+        # not there, or not this demo: make it (and _Writer refuses to overwrite without force)
+        pass
     import torch
     from target import Target, TargetConfig
     cfg = TargetConfig.preset("tiny")
     target = Target.build(cfg).eval()
     rng, n, t0 = np.random.default_rng(seed), samples + val_samples, time.time()
     prompts = [torch.from_numpy(rng.integers(1, cfg.vocab_size, rng.integers(8, 25))) for _ in range(n)]
-    # No KV cache, so every step reruns the whole prefix; the target batches all documents of a chunk in one
-    # forward on the CPU, so the cost is ~new_tokens forwards per chunk.
+    # No KV cache, so every step reruns the whole prefix; the target batches all documents of a
+    # chunk in one forward on the CPU, so the cost is ~new_tokens forwards per chunk.
     chunk = 512
     # one thread: the tiny target's ops are so small that a second thread only adds sync overhead
     # (measured 2-8x slower with 2 threads on a 2-core box that has anything else running)
@@ -425,7 +438,8 @@ def make_demo(out_dir, samples=384, val_samples=32, new_tokens=48, seed=0, force
             writers.append(_Writer(os.path.join(out_dir, s), cfg.vocab_size, force))
         for c in range(0, n, chunk):
             docs = prompts[c:c + chunk]
-            for _ in range(new_tokens):  # one token per document per step, all documents packed in one row
+            # one token per document per step, all documents packed in one row
+            for _ in range(new_tokens):
                 cu = torch.tensor([0] + [len(d) for d in docs]).cumsum(0)
                 nxt = target.logits(torch.cat(docs), cu, at=cu[1:] - 1).argmax(-1)
                 docs = [torch.cat([d, nxt[j:j + 1]]) for j, d in enumerate(docs)]
@@ -462,7 +476,8 @@ def main(argv=None):
     p.add_argument("--force", action="store_true", help="overwrite existing DIR/train and DIR/val")
     d = sub.add_parser("demo", help="the tiny target's greedy continuations of random prompts -> DIR/train, DIR/val")
     d.add_argument("--out", default="data/demo", help="output directory (default data/demo)")
-    dflt = make_demo.__defaults__     # the same demo train.py builds on first use, into the same data/demo
+    # the same demo train.py builds on first use, into the same data/demo
+    dflt = make_demo.__defaults__
     d.add_argument("--samples", type=int, default=dflt[0], help=f"training samples (default {dflt[0]})")
     d.add_argument("--val-samples", type=int, default=dflt[1], help=f"held-out samples (default {dflt[1]})")
     d.add_argument("--new-tokens", type=int, default=dflt[2], help=f"greedy tokens per sample, all supervised (default {dflt[2]})")
@@ -480,10 +495,9 @@ def main(argv=None):
 if __name__ == "__main__":
     main()
 
-# What to expect (2-core CPU, torch 2.13, Nov 2026):
-#   python data.py demo --out data/demo   ~40 s; train: 384 samples, 24559 tokens (18432 supervised),
-#                                         val: 32 samples, 2037 tokens (1536 supervised), vocab bound 512
-#   python data.py prepare ...            ~5M tokens/s for pretokenized lines; peak RSS stays ~3 MB over the
-#                                         bare imports at 1M-16M tokens (test_smoke.py measures it)
-#   sizes on disk: tokens.bin 4 B/token, loss_mask.bin 1 B/token, offsets.bin 8 B/sample, so a 1B-token
-#   corpus of 1M samples is 4 GB + 1 GB + 8 MB, memory-mapped, never read whole
+# What to expect (2-core CPU, torch 2.13, Nov 2026): python data.py demo --out data/demo   ~40 s;
+# train: 384 samples, 24559 tokens (18432 supervised), val: 32 samples, 2037 tokens (1536
+# supervised), vocab bound 512 python data.py prepare ...            ~5M tokens/s for pretokenized
+# lines; peak RSS stays ~3 MB over the bare imports at 1M-16M tokens (test_smoke.py measures it)
+# sizes on disk: tokens.bin 4 B/token, loss_mask.bin 1 B/token, offsets.bin 8 B/sample, so a
+# 1B-token corpus of 1M samples is 4 GB + 1 GB + 8 MB, memory-mapped, never read whole

@@ -30,7 +30,8 @@ from model import Drafter, DrafterConfig
 # the two decodes (one prompt at a time, ids on the target's device)
 
 def _forward(target, ids, layer_ids, at):
-    # one target forward over the whole sequence: tapped features [T, n_feat*H] and logits [len(at), vocab]
+    # one target forward over the whole sequence: tapped features [T, n_feat*H] and logits [len(at),
+    # vocab]
     cu = torch.tensor([0, len(ids)])
     return target.features_and_logits(ids, cu, layer_ids, at=torch.tensor(at, device=ids.device))
 
@@ -51,17 +52,22 @@ def speculative(target, drafter, prompt, max_new, eos=()):
     B, taps, dev = drafter.config.block_size, drafter.config.target_layer_ids, prompt.device
     embed, head = target.embed_tokens.weight, target.lm_head.weight
     P = len(prompt)
-    ctx, logits = _forward(target, prompt, taps, [P - 1])          # prefill: the first token and the context
+    # prefill: the first token and the context
+    ctx, logits = _forward(target, prompt, taps, [P - 1])
     seq = torch.cat([prompt, logits.argmax(-1)])
     accepted = []
     while len(seq) - P < max_new and not any(t in eos for t in seq[P:].tolist()):
-        a = len(seq) - 1                                           # anchor: the last committed token
-        draft, _ = drafter.propose(ctx, torch.arange(a, device=dev), seq[a], a, embed, head)   # [B-1]
+        # anchor: the last committed token
+        a = len(seq) - 1
+        # [B-1]
+        draft, _ = drafter.propose(ctx, torch.arange(a, device=dev), seq[a], a, embed, head)
         feats, logits = _forward(target, torch.cat([seq, draft]), taps, list(range(a, a + B)))
         posterior = logits.argmax(-1)          # [B]: the target's next token after each block slot
-        acc = int((draft == posterior[:-1]).cumprod(0).sum())      # leading proposals the target agrees with
+        # leading proposals the target agrees with
+        acc = int((draft == posterior[:-1]).cumprod(0).sum())
         seq = torch.cat([seq, draft[:acc], posterior[acc:acc + 1]])
-        ctx = torch.cat([ctx, feats[a:a + acc + 1]])               # the anchor and the accepted proposals
+        # the anchor and the accepted proposals
+        ctx = torch.cat([ctx, feats[a:a + acc + 1]])
         accepted.append(acc + 1)
     return _finish(seq[P:], max_new, eos), accepted, 1 + len(accepted)
 
@@ -85,7 +91,8 @@ def divergence(target, prompt, spec, ref):
     top2 = target.logits(ids, torch.tensor([0, len(ids)]), at=torch.tensor([len(ids) - 1]))[0].topk(2).values
     gap = float(top2[0] - top2[1])
     bf16 = target.embed_tokens.weight.dtype == torch.bfloat16
-    near = gap <= (2 ** -7 if bf16 else 1e-4) * abs(float(top2[0]))     # bf16 keeps 8 significant bits
+    # bf16 keeps 8 significant bits
+    near = gap <= (2 ** -7 if bf16 else 1e-4) * abs(float(top2[0]))
     why = ("a near-tie: a forward over the block and one over the prefix round differently" if near
            else "NOT a near-tie: a bug")
     s, r = (x[i] if i < len(x) else "end" for x in (spec, ref))
@@ -96,7 +103,8 @@ def evaluate(target, drafter, prompts, max_new, eos=(), log=print):
     """Both decodes on every prompt; one line per prompt and a summary through `log`. Returns the totals."""
     dev = target.embed_tokens.weight.device
     B = drafter.config.block_size
-    speculative(target, drafter, prompts[0], 2 * B, eos)    # warm-up, untimed: autotuning, first kernel launches
+    # warm-up, untimed: autotuning, first kernel launches
+    speculative(target, drafter, prompts[0], 2 * B, eos)
     hist = [0] * (B + 1)                   # hist[k]: cycles that committed k tokens (accepted + 1)
     tot = dict(spec_new=0, greedy_new=0, spec_fwd=0, spec_s=0.0, greedy_s=0.0, identical=0)
     for n, prompt in enumerate(prompts):
@@ -163,7 +171,8 @@ def chat_prompts(path, tokenizer, n):
     encode, _ = _chat_encoder(tokenizer)
     empty = {"role": "assistant", "content": ""}
     tail_ids, tail_mask = encode([empty])
-    n_tail = len(tail_ids) - tail_mask.index(1)       # the empty answer's <|im_end|> and the newline after it
+    # the empty answer's <|im_end|> and the newline after it
+    n_tail = len(tail_ids) - tail_mask.index(1)
     prompts = []
     with open(path) as f:
         for lineno, line in enumerate(f, 1):
@@ -185,7 +194,8 @@ def chat_prompts(path, tokenizer, n):
     return prompts
 
 def hf_eos(path):
-    # a checkpoint's end-of-sequence ids: generation_config.json, else config.json (or its text_config)
+    # a checkpoint's end-of-sequence ids: generation_config.json, else config.json (or its
+    # text_config)
     for name in ("generation_config.json", "config.json"):
         file = os.path.join(path, name)
         if os.path.exists(file):

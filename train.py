@@ -20,60 +20,77 @@ import warnings
 from contextlib import nullcontext
 from datetime import timedelta
 
-parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
 group = parser.add_argument_group("data")
 group.add_argument("--data", default=None, help="prepared dataset dir (data.py prepare); "
                    "default: the demo data, built in ./data/demo on first use")
-group.add_argument("--budget", type=int, default=128, help="tokens per packed row (context length), fixed")
-group.add_argument("--eval-rows", type=int, default=8, help="held-out rows per evaluation (from DATA/val)")
-group.add_argument("--generate-prompts", type=int, default=0, help="at the end, greedy speculative decoding "
-                   "(generate.py) on this many DATA/val prompts: real acceptance length tau next to the proxy; "
-                   "one process only (it needs the whole target)")
-group.add_argument("--generate-tokens", type=int, default=64, help="new tokens per --generate-prompts prompt")
+group.add_argument("--budget", type=int, default=128,
+                   help="tokens per packed row (context length), fixed")
+group.add_argument("--eval-rows", type=int, default=8,
+                   help="held-out rows per evaluation (from DATA/val)")
+group.add_argument("--generate-prompts", type=int, default=0,
+                   help="at the end, greedy speculative decoding (generate.py) on this many DATA/val "
+                   "prompts: real acceptance length tau next to the proxy; one process only")
+group.add_argument("--generate-tokens", type=int, default=64,
+                   help="new tokens per --generate-prompts prompt")
 group = parser.add_argument_group("models")
 group.add_argument("--target", default="tiny", help="HF checkpoint dir of a Qwen3.5/3.6 model, "
                    "or a preset: tiny, qwen3.6-27b (random weights)")
 group.add_argument("--drafter-layers", type=int, default=5, help="drafter decoder layers")
-group.add_argument("--n-feat", type=int, default=None, help="tapped target layers (default 5; 3 for the tiny target)")
-group.add_argument("--block-size", type=int, default=16, help="tokens per draft block: anchor + block-size-1 drafted")
-group.add_argument("--mask-token-id", type=int, default=None, help="embedding row of the masked slots "
-                   "(default: z-lab's for the vocab)")
-group.add_argument("--init-drafter", default=None, help="start from a z-lab format drafter dir, not random init "
-                   "(its config's layer layout and RoPE are kept)")
-group.add_argument("--sliding-window", type=int, default=None, help="tokens a sliding-window drafter layer sees "
-                   "(its own position included); all layers but the last slide, as in z-lab's published drafters; "
-                   "0: all full attention (default: 2048 for a Qwen3.6-27B-geometry target, else 0)")
+group.add_argument("--n-feat", type=int, default=None,
+                   help="tapped target layers (default 5; 3 for the tiny target)")
+group.add_argument("--block-size", type=int, default=16,
+                   help="tokens per draft block: the anchor + block-size-1 drafted tokens")
+group.add_argument("--mask-token-id", type=int, default=None,
+                   help="embedding row of the masked slots (default: z-lab's for the vocab)")
+group.add_argument("--init-drafter", default=None, help="start from a z-lab format drafter dir, "
+                   "not random init (its config's layer layout and RoPE are kept)")
+group.add_argument("--sliding-window", type=int, default=None,
+                   help="tokens a sliding-window drafter layer sees (its own position included); all "
+                   "layers but the last slide, as in z-lab's published drafters; 0: all full attention "
+                   "(default: 2048 for a Qwen3.6-27B-geometry target, else 0)")
 group = parser.add_argument_group("optimization")
-group.add_argument("--anchors", type=int, default=16, help="draft blocks per document (sample) and step, "
-                   "at most: the recipe's 512 per sample")
-group.add_argument("--row-anchors", type=int, default=0, help="draft blocks per packed row, fixed (the compiled "
-                   "shape; the drafter sees row-anchors*block-size query tokens); 0: the 90th percentile of what "
-                   "the data's rows ask for, measured at start")
-group.add_argument("--gamma", type=float, default=7.0, help="loss decay over block slots: weight exp(-(k-1)/gamma)")
+group.add_argument("--anchors", type=int, default=16, help="draft blocks per document (sample) "
+                   "and step, at most: the recipe's 512 per sample")
+group.add_argument("--row-anchors", type=int, default=0,
+                   help="draft blocks per packed row, fixed (the compiled shape: the drafter sees "
+                   "row-anchors*block-size query tokens); 0: the 90th percentile of what the data's "
+                   "rows ask for, measured at start")
+group.add_argument("--gamma", type=float, default=7.0,
+                   help="loss decay over block slots: weight exp(-(k-1)/gamma)")
 group.add_argument("--lr", type=float, default=6e-4, help="peak AdamW learning rate")
-group.add_argument("--warmup", type=float, default=0.04, help="linear warmup, fraction of all steps; then cosine to 0")
-group.add_argument("--epochs", type=int, default=6, help="passes over the training set (ignored with --max-steps)")
-group.add_argument("--max-steps", type=int, default=None, help="optimizer steps (default: epochs * steps per epoch)")
+group.add_argument("--warmup", type=float, default=0.04,
+                   help="linear warmup, as a fraction of all steps; then cosine to 0")
+group.add_argument("--epochs", type=int, default=6,
+                   help="passes over the training set (ignored with --max-steps)")
+group.add_argument("--max-steps", type=int, default=None,
+                   help="optimizer steps (default: epochs * steps per epoch)")
 group.add_argument("--grad-clip", type=float, default=1.0, help="global gradient-norm clip")
 group.add_argument("--seed", type=int, default=0, help="data order and anchor sampling seed")
 group = parser.add_argument_group("logging, eval and checkpoints")
-group.add_argument("--out", default="out", help="output dir: log.jsonl, ckpt.pt, drafter/ (z-lab export)")
+group.add_argument("--out", default="out",
+                   help="output dir: log.jsonl, ckpt.pt, drafter/ (z-lab export)")
 group.add_argument("--log-interval", type=int, default=10, help="steps between log lines")
-group.add_argument("--eval-interval", type=int, default=100, help="steps between held-out evaluations (and at the end)")
-group.add_argument("--save-interval", type=int, default=500, help="steps between checkpoints (and at the end)")
+group.add_argument("--eval-interval", type=int, default=100,
+                   help="steps between held-out evaluations (and at the end)")
+group.add_argument("--save-interval", type=int, default=500,
+                   help="steps between checkpoints (and at the end)")
 group.add_argument("--resume", action="store_true", help="continue from OUT/ckpt.pt")
 group = parser.add_argument_group("system")
 group.add_argument("--no-compile", action="store_true", help="run the drafter step eagerly "
                    "(debugging only; dense flex backward on GPU)")
 group.add_argument("--cache-dir", default=None, help="root of the per-rank Triton/Inductor caches "
                    "(default /tmp/dflash-cache-USER)")
-group.add_argument("--fresh-cache", action="store_true", help="empty this run's Triton/Inductor cache dirs first")
-group.add_argument("--timeout", type=float, default=900, help="seconds a rank waits for a peer before failing "
-                   "(covers the first compile)")
+group.add_argument("--fresh-cache", action="store_true",
+                   help="empty this run's Triton/Inductor cache dirs first")
+group.add_argument("--timeout", type=float, default=900, help="seconds a rank waits for a peer "
+                   "before failing (covers the first compile)")
 args = parser.parse_args()
 
-# Each rank gets its own Triton and Inductor cache unless the user set one, set before torch imports triton:
-# ranks sharing a cache race on it, and a cache on NFS corrupts (pytorch/pytorch#173679, triton-lang/triton#2688)
+# Each rank gets its own Triton and Inductor cache unless the user set one, set before torch imports
+# triton: ranks sharing a cache race on it, and a cache on NFS corrupts (pytorch/pytorch#173679,
+# triton-lang/triton#2688)
 rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 cache_root = args.cache_dir or os.path.join(tempfile.gettempdir(), f"dflash-cache-{getpass.getuser()}")
 os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(cache_root, f"rank{rank}", "triton"))
@@ -87,7 +104,8 @@ if args.fresh_cache:
             os.remove(d)
 
 def on_sigterm(signum, frame):
-    # torchrun tears the whole job down when one process dies: say why, and how to go on, instead of a bare kill
+    # torchrun tears the whole job down when one process dies: say why, and how to go on, instead of
+    # a bare kill
     print(f"rank {rank}: stopping on SIGTERM (another process of this job failed, or the job was cancelled); "
           f"continue from the last checkpoint with --resume --out {args.out}", file=sys.stderr, flush=True)
     os._exit(143)
@@ -118,9 +136,11 @@ if world > 1 and local_world % 2:
 half = max(local_world // 2, 1)
 role = "target+drafter" if world == 1 else "target" if local_rank < half else "drafter"
 runs_target, runs_drafter = role != "drafter", role != "target"
-peer = rank + half if local_rank < half else rank - half          # the other member of this rank's pair
+# the other member of this rank's pair
+peer = rank + half if local_rank < half else rank - half
 n_pairs, pair = max(world // 2, 1), (rank // local_world) * half + local_rank % half
-log_rank = 0 if world == 1 else half                              # the first drafter prints and writes the log
+# the first drafter prints and writes the log
+log_rank = 0 if world == 1 else half
 device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
 cuda = device.type == "cuda"
 if cuda:
@@ -130,8 +150,9 @@ if world > 1:
     dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=args.timeout),
                             device_id=device if cuda else None)
     drafter_group = dist.new_group([r for r in range(world) if r % local_world >= half])
-    # log statistics travel on gloo (host memory): an NCCL collective on the world group would queue on the
-    # target behind its sends of the next rows, which the drafter receives only after that collective: deadlock
+    # log statistics travel on gloo (host memory): an NCCL collective on the world group would queue
+    # on the target behind its sends of the next rows, which the drafter receives only after that
+    # collective: deadlock
     stats_group = dist.new_group(backend="gloo") if cuda else None
 
 def print0(*a):
@@ -140,11 +161,13 @@ def print0(*a):
         print(*a, flush=True)
 
 def sync():
-    if cuda:       # this stream only: on a target a device-wide sync would also wait for its in-flight sends
+    # this stream only: on a target a device-wide sync would also wait for its in-flight sends
+    if cuda:
         torch.cuda.current_stream(device).synchronize()
 
 # -----------------------------------------------------------------------------
-# data: the demo dataset is made on first use (the tiny target's own greedy continuations, data.py demo)
+# data: the demo dataset is made on first use (the tiny target's own greedy continuations, data.py
+# demo)
 
 os.makedirs(args.out, exist_ok=True)
 data_dir = args.data or os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "demo")
@@ -161,13 +184,16 @@ packer = Packer(train_ds, args.budget, n_shards=n_pairs, shard=pair, seed=args.s
 steps_per_epoch = packer.steps_per_epoch
 max_steps = args.max_steps or packer.total_steps(args.epochs)
 budget, per_doc, block_size = args.budget, args.anchors, args.block_size
-# the anchor capacity of a row: rows that want more are cut fairly across their documents, fewer are padded
+# the anchor capacity of a row: rows that want more are cut fairly across their documents, fewer are
+# padded
 demand = packer.anchor_demand(per_doc)
-row_anchors = args.row_anchors or int(-(-np.percentile(demand, 90) // 8) * 8)   # a multiple of 8: 128-row tiles
+# a multiple of 8: 128-row tiles
+row_anchors = args.row_anchors or int(-(-np.percentile(demand, 90) // 8) * 8)
 row_anchors = max(8, min(row_anchors, budget - 1, 4 * budget // block_size))
 
 # -----------------------------------------------------------------------------
-# models: target ranks load the layers up to the last tapped one, drafter ranks only embed_tokens + lm_head
+# models: target ranks load the layers up to the last tapped one, drafter ranks only embed_tokens +
+# lm_head
 
 preset = not os.path.isdir(args.target)
 tcfg = TargetConfig.preset(args.target) if preset else TargetConfig.from_hf(args.target)
@@ -197,14 +223,16 @@ for ok, msg in start_checks:
         sys.exit("error: " + msg)
 n_layers = max(taps) + 1 if runs_target else 0
 if args.generate_prompts and world == 1:
-    n_layers = None                   # generation needs every layer and the head, not just the tapped ones
+    # generation needs every layer and the head, not just the tapped ones
+    n_layers = None
 if preset:
     target = Target.build(tcfg, device=device, dtype=tdtype, n_layers=n_layers, head=runs_drafter)
 else:
     target = Target.from_pretrained(args.target, device=device, dtype=tdtype, n_layers=n_layers, head=runs_drafter)
 
 if runs_drafter:
-    torch.manual_seed(args.seed)      # every drafter rank starts from the same weights (checked at the end)
+    # every drafter rank starts from the same weights (checked at the end)
+    torch.manual_seed(args.seed)
     try:
         drafter = (Drafter.from_pretrained(args.init_drafter) if args.init_drafter else Drafter(dcfg)).to(device)
     except ValueError as e:
@@ -217,18 +245,22 @@ if runs_drafter:
     if args.init_drafter and args.sliding_window is not None and layout(drafter.config) != layout(dcfg):
         sys.exit(f"error: --sliding-window {args.sliding_window} asks for layers {layout(dcfg)}, but --init-drafter "
                  f"{args.init_drafter} has {layout(drafter.config)}; drop --sliding-window")
-    dcfg = drafter.config                 # the trained layout: the init drafter's own, when there is one
+    # the trained layout: the init drafter's own, when there is one
+    dcfg = drafter.config
     embed, head = target.embed_tokens.weight, target.lm_head.weight
-    opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, weight_decay=0.0, fused=True)  # fp32 master weights
-    # flex_attention tiles: the inductor defaults assume ~227 KB of shared memory per block (H100/H200/B200);
-    # cards with ~100 KB (RTX PRO 6000 Blackwell, consumer parts) need the smaller tiles below
+    # fp32 master weights
+    opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
+    # flex_attention tiles: the inductor defaults assume ~227 KB of shared memory per block
+    # (H100/H200/B200); cards with ~100 KB (RTX PRO 6000 Blackwell, consumer parts) need the smaller
+    # tiles below
     flex = None
     if cuda:
         smem = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 0)
         flex = {} if smem >= 200 * 1024 else dict(BLOCK_M=64, BLOCK_N=64, num_stages=2, bwd_BLOCK_M1=32,
                                                    bwd_BLOCK_N1=64, bwd_BLOCK_M2=32, bwd_BLOCK_N2=32)
     autocast = torch.autocast("cuda", torch.bfloat16) if cuda else nullcontext()
-    # before any real step: this torch's compiled flex step must equal the dense step on this run's layout
+    # before any real step: this torch's compiled flex step must equal the dense step on this run's
+    # layout
     self_check = "skipped (CPU: the dense path is the only one; flex has no CPU backward)"
     if cuda and args.no_compile:
         self_check = "skipped (--no-compile: no compiled flex step)"
@@ -250,7 +282,8 @@ def lr_at(step):
     return args.lr * 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, max_steps - warm)))
 
 # -----------------------------------------------------------------------------
-# the protocol: both roles walk the same schedule, so targets and drafters never need to talk about it
+# the protocol: both roles walk the same schedule, so targets and drafters never need to talk about
+# it
 
 def schedule(start):
     """Yields (step, kind, eval row). Every "train" and "eval" item moves one row target -> drafter; every
@@ -267,7 +300,8 @@ def schedule(start):
             yield step, "log", None
 
 # a row travels as two tensors: features [budget, n_feat * hidden] and fields int64 [5, budget]
-ROW_FIELDS = ("tokens", "loss_mask", "doc", "pos", "where")   # where: (epoch, row index), for the non-finite log
+# where: (epoch, row index), for the non-finite log
+ROW_FIELDS = ("tokens", "loss_mask", "doc", "pos", "where")
 
 def pack_row(row):
     where = np.zeros(budget, dtype=np.int64)
@@ -283,7 +317,8 @@ def target_features(row):
     return target.features(ids, torch.from_numpy(row.cu_seqlens), taps)
 
 def mark():
-    # a point in time on this rank's GPU stream (no host sync); the host clock on CPU, where work is synchronous
+    # a point in time on this rank's GPU stream (no host sync); the host clock on CPU, where work is
+    # synchronous
     if cuda:
         event = torch.cuda.Event(enable_timing=True)
         event.record()
@@ -325,7 +360,8 @@ if world > 1:
     start_step = int(step_t)
 packer.seek(start_step)     # every pair consumes one row per step: the step is the data position
 eval_rows = []
-if val_ds is not None:      # the first held-out rows; every pair evaluates the same ones (eval is rare)
+# the first held-out rows; every pair evaluates the same ones (eval is rare)
+if val_ds is not None:
     val_packer = Packer(val_ds, budget, shuffle=False)
     eval_rows = [val_packer.next_row() for _ in range(min(args.eval_rows, val_packer.steps_per_epoch))]
 
@@ -376,7 +412,8 @@ if role == "target":
             t0 = mark()
             feats, packed = target_features(row), pack_row(row)
             forwards.append((t0, mark()))
-            # one batched P2P op per row: NCCL serializes unbatched sends with every other op on the group
+            # one batched P2P op per row: NCCL serializes unbatched sends with every other op on the
+            # group
             ops = [dist.P2POp(dist.isend, t, peer) for t in (feats, packed)]
             inflight.append((dist.batch_isend_irecv(ops), feats, packed))
             if len(inflight) > 2:        # reuse a slot only once the drafter has taken its row
@@ -399,7 +436,8 @@ if role == "target":
 
 recv_buf = (torch.empty(budget, n_feat * tcfg.hidden_size, dtype=tdtype, device=device),
             torch.empty(len(ROW_FIELDS), budget, dtype=torch.int64, device=device)) if world > 1 else None
-local_forwards = []                      # world size 1: (start, end) of each target forward run here
+# world size 1: (start, end) of each target forward run here
+local_forwards = []
 
 def next_row(kind, r):
     """The next (feats, row fields) from this pair's target. In world size 1 the target runs in this process."""
@@ -409,9 +447,11 @@ def next_row(kind, r):
         feats = target_features(row)
         if kind == "train":
             local_forwards.append((t0, mark()))
-        return feats.clone(), unpack_row(pack_row(row))   # a clone: autograd cannot save inference tensors
-    # the receive is posted only now, queued behind the previous step: a receive posted earlier keeps an NCCL
-    # kernel resident on this GPU's SMs through the whole step; the target queued its send long ago
+        # a clone: autograd cannot save inference tensors
+        return feats.clone(), unpack_row(pack_row(row))
+    # the receive is posted only now, queued behind the previous step: a receive posted earlier
+    # keeps an NCCL kernel resident on this GPU's SMs through the whole step; the target queued its
+    # send long ago
     for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, t, peer) for t in recv_buf]):
         work.wait()
     return recv_buf[0], unpack_row(recv_buf[1])
@@ -429,15 +469,16 @@ def eval_step(*inputs):
 
 train_step, eval_step_ = drafter_step, eval_step
 if not args.no_compile:
-    # a recompile after warm-up, or a hit recompile limit, would silently run flex_attention's dense backward
-    # (~17 GB per layer at 512 anchors / 8192 budget): both are errors instead
+    # a recompile after warm-up, or a hit recompile limit, would silently run flex_attention's dense
+    # backward (~17 GB per layer at 512 anchors / 8192 budget): both are errors instead
     torch._dynamo.config.fail_on_recompile_limit_hit = True
     train_step = torch.compile(drafter_step, fullgraph=True, dynamic=False)
     eval_step_ = torch.compile(eval_step, fullgraph=True, dynamic=False)
 
 def draw_anchors(row):
-    # anchors and the BlockMask lists are made on device just before the graph (a few eager kernels, no host
-    # sync) and enter it as inputs: inductor's flex lowering rejects mask tensors computed inside the graph
+    # anchors and the BlockMask lists are made on device just before the graph (a few eager kernels,
+    # no host sync) and enter it as inputs: inductor's flex lowering rejects mask tensors computed
+    # inside the graph
     anchors, keep, wanted = sample_anchors(row["loss_mask"], row["doc"], per_doc, row_anchors)
     blocks = block_lists(dcfg, anchors, keep, row["doc"], budget) if cuda else None
     return anchors, keep, blocks, wanted
@@ -447,7 +488,8 @@ def save_checkpoint(step):
     torch.save(dict(drafter=drafter.state_dict(), optimizer=opt.state_dict(), step=step, args=vars(args),
                     drafter_config=vars(dcfg), data=dict(rows_per_pair=step, seed=args.seed),
                     rng=dict(seed=args.seed, note="anchors are reseeded from (seed, step, pair) every step")), tmp)
-    os.replace(tmp, ckpt_path)      # atomic: a crash mid-write leaves the previous checkpoint intact
+    # atomic: a crash mid-write leaves the previous checkpoint intact
+    os.replace(tmp, ckpt_path)
     drafter.save_pretrained(os.path.join(args.out, "drafter"))
     print0(f"step {step}: saved {ckpt_path} and {os.path.join(args.out, 'drafter')}/ (z-lab format)")
 
@@ -456,8 +498,8 @@ def reduce_drafters(t):
         dist.all_reduce(t, group=drafter_group)
     return t
 
-# the metrics of a window live in one device tensor (one all-reduce, no host sync per step); named here only
-# blocks: anchors kept; wanted: anchors the rows asked for before the capacity cut
+# the metrics of a window live in one device tensor (one all-reduce, no host sync per step); named
+# here only blocks: anchors kept; wanted: anchors the rows asked for before the capacity cut
 METRICS = dict(loss=1, accept_sum=1, blocks=1, wanted=1, nonfinite=1, slot_correct=block_size, slot_count=block_size)
 
 def pack_metrics(out, wanted, nonfinite):
@@ -483,7 +525,8 @@ params = list(drafter.parameters())
 train_sums = torch.zeros(sum(METRICS.values()), device=device)
 eval_sums = torch.zeros_like(train_sums)
 gnorm_sum = torch.zeros((), device=device)
-nonfinite_rows = torch.zeros(args.log_interval, 3, dtype=torch.long, device=device)   # non-finite?, epoch, row
+# non-finite?, epoch, row
+nonfinite_rows = torch.zeros(args.log_interval, 3, dtype=torch.long, device=device)
 step_marks, n_window = [], 0
 fused_checked = not cuda or args.no_compile
 t_start = t_window = time.perf_counter()
@@ -502,7 +545,8 @@ for step, kind, r in schedule(start_step):
         if r == len(eval_rows) - 1:
             m = unpack_metrics(reduce_drafters(eval_sums).to("cpu", copy=True))
             eval_sums.zero_()
-            slot_acc = (m["slot_correct"] / m["slot_count"].clamp(min=1)).tolist()[1:]   # slot 0: the anchor
+            # slot 0: the anchor
+            slot_acc = (m["slot_correct"] / m["slot_count"].clamp(min=1)).tolist()[1:]
             rec = dict(kind="eval", step=step, loss=m["loss"].item() / (len(eval_rows) * n_pairs),
                        accept=m["accept_sum"].item() / max(m["blocks"].item(), 1), slot_acc=slot_acc)
             log(rec, f"eval step {step}: loss {rec['loss']:.4f} | accept {rec['accept']:.3f} | "
@@ -513,11 +557,12 @@ for step, kind, r in schedule(start_step):
         t0 = mark()
         feats, row = next_row("train", None)
         t1 = mark()
-        torch.manual_seed(args.seed * 1_000_003 + step * 1009 + pair)   # anchors: a function of (seed, step, pair)
+        # anchors: a function of (seed, step, pair)
+        torch.manual_seed(args.seed * 1_000_003 + step * 1009 + pair)
         for group_ in opt.param_groups:
             group_["lr"] = lr_at(step)
-        # the fused-backward check profiles the first step after the one that compiled (a profiler around
-        # compilation would also record every autotuning kernel)
+        # the fused-backward check profiles the first step after the one that compiled (a profiler
+        # around compilation would also record every autotuning kernel)
         profile = not fused_checked and step > start_step
         prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) if profile else None
         if prof:
@@ -530,7 +575,8 @@ for step, kind, r in schedule(start_step):
                 dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=drafter_group)
         gnorm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
         nonfinite = ~(torch.isfinite(gnorm) & torch.isfinite(out["loss"]))
-        opt.found_inf = nonfinite.float()   # fused AdamW skips the update on device when set: no host sync
+        # fused AdamW skips the update on device when set: no host sync
+        opt.found_inf = nonfinite.float()
         opt.step()
         opt.zero_grad(set_to_none=True)
         step_marks.append((t0, t1, mark()))
@@ -539,7 +585,8 @@ for step, kind, r in schedule(start_step):
             print0(f"step {step}: first step done (drafter graph compiled) "
                    f"{time.perf_counter() - t_start:.0f} s after start")
             if not args.no_compile:
-                torch._dynamo.config.error_on_recompile = True  # warm: from now on a recompile is an error
+                # warm: from now on a recompile is an error
+                torch._dynamo.config.error_on_recompile = True
         if prof:
             prof.__exit__(None, None, None)
             kernels, fused = flex_backward_kernels(prof, kinds=len(dcfg.windows()))
@@ -580,16 +627,22 @@ for step, kind, r in schedule(start_step):
         rec = dict(kind="train", step=step + 1, epoch=(step + 1) / steps_per_epoch,
                    loss=m["loss"].item() / rows_done, accept=m["accept_sum"].item() / max(m["blocks"].item(), 1),
                    lr=lr_at(step), gnorm=gnorm_sum.item() / n_window,
-                   tok_s=rows_done * budget / seconds,                      # context tokens, all pairs
-                   blocks_s=m["blocks"].item() / seconds,                   # supervised draft blocks
-                   drafted_tok_s=m["slot_count"].sum().item() / seconds,    # supervised drafted tokens
+                   # context tokens, all pairs
+                   tok_s=rows_done * budget / seconds,
+                   # supervised draft blocks
+                   blocks_s=m["blocks"].item() / seconds,
+                   # supervised drafted tokens
+                   drafted_tok_s=m["slot_count"].sum().item() / seconds,
                    anchors_row=m["blocks"].item() / rows_done, row_anchors=row_anchors,
-                   anchors_cut=int(m["wanted"] - m["blocks"]),              # asked for, over the capacity
+                   # asked for, over the capacity
+                   anchors_cut=int(m["wanted"] - m["blocks"]),
                    pad_frac=1 - m["blocks"].item() / (rows_done * row_anchors),
                    ms_step=step_ms, ms_target=target_ms, ms_wait=wait_ms, ms_drafter=drafter_ms,
-                   busy_target=target_ms / step_ms, busy_drafter=drafter_ms / step_ms,   # per GPU (world 1: one GPU)
+                   # per GPU (world 1: one GPU)
+                   busy_target=target_ms / step_ms, busy_drafter=drafter_ms / step_ms,
                    mem_gib=stats[:, 1].tolist(),
-                   graphs=torch._dynamo.utils.counters["stats"]["unique_graphs"])   # compiled on this rank so far
+                   # compiled on this rank so far
+                   graphs=torch._dynamo.utils.counters["stats"]["unique_graphs"])
         log(rec, f"step {rec['step']}/{max_steps} | ep {rec['epoch']:.2f} | loss {rec['loss']:.4f} | accept "
                  f"{rec['accept']:.3f} | lr {rec['lr']:.2e} | gnorm {rec['gnorm']:.2f} | {rec['tok_s']:.0f} tok/s "
                  f"{rec['blocks_s']:.0f} blocks/s | anchors/row {rec['anchors_row']:.0f} cut {rec['anchors_cut']} "
