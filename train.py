@@ -1,10 +1,12 @@
 """
-Train a DFlash drafter against a frozen target. Half the GPUs of each node run the target, the other half the
-drafters; pair i is (local GPU i, local GPU i + half) and streams hidden states target -> drafter.
+Train a DFlash drafter against a frozen target. Half the GPUs of each node run the target, the
+other half the drafters; pair i is (local GPU i, local GPU i + half) and streams hidden states
+target -> drafter.
 
-  python train.py                                                   # demo: tiny target, demo data, CPU or 1 GPU
-  torchrun --nproc_per_node=4 train.py --target /ckpt/Qwen3.6-27B --data data/mix --anchors 512 --budget 8192
-  torchrun --nproc_per_node=2 train.py --target qwen3.6-27b --anchors 512 --budget 8192   # one pair, random target
+  python train.py        # the demo: tiny target, demo data, CPU or 1 GPU
+  torchrun --nproc_per_node=4 train.py --target /ckpt/Qwen3.6-27B --data data/mix --anchors 512 \
+      --budget 8192      # 2 pairs
+  torchrun --nproc_per_node=2 train.py --target qwen3.6-27b --anchors 512 --budget 8192  # 27B preset
 """
 import argparse
 import getpass
@@ -30,8 +32,8 @@ group.add_argument("--budget", type=int, default=128,
 group.add_argument("--eval-rows", type=int, default=8,
                    help="held-out rows per evaluation (from DATA/val)")
 group.add_argument("--generate-prompts", type=int, default=0,
-                   help="at the end, greedy speculative decoding (generate.py) on this many DATA/val "
-                   "prompts: real acceptance length tau next to the proxy; one process only")
+                   help="at the end, greedy speculative decoding (generate.py) on this many "
+                   "DATA/val prompts: the real acceptance length tau; one process only")
 group.add_argument("--generate-tokens", type=int, default=64,
                    help="new tokens per --generate-prompts prompt")
 group = parser.add_argument_group("models")
@@ -47,16 +49,16 @@ group.add_argument("--mask-token-id", type=int, default=None,
 group.add_argument("--init-drafter", default=None, help="start from a z-lab format drafter dir, "
                    "not random init (its config's layer layout and RoPE are kept)")
 group.add_argument("--sliding-window", type=int, default=None,
-                   help="tokens a sliding-window drafter layer sees (its own position included); all "
-                   "layers but the last slide, as in z-lab's published drafters; 0: all full attention "
-                   "(default: 2048 for a Qwen3.6-27B-geometry target, else 0)")
+                   help="tokens a sliding-window drafter layer sees (its own position included); "
+                   "all layers but the last slide, as in z-lab's published drafters; 0: all full "
+                   "attention (default: 2048 for a Qwen3.6-27B-geometry target, else 0)")
 group = parser.add_argument_group("optimization")
 group.add_argument("--anchors", type=int, default=16, help="draft blocks per document (sample) "
                    "and step, at most: the recipe's 512 per sample")
 group.add_argument("--row-anchors", type=int, default=0,
                    help="draft blocks per packed row, fixed (the compiled shape: the drafter sees "
-                   "row-anchors*block-size query tokens); 0: the 90th percentile of what the data's "
-                   "rows ask for, measured at start")
+                   "row-anchors*block-size query tokens); 0: the 90th percentile of what the "
+                   "data's rows ask for, measured at start")
 group.add_argument("--gamma", type=float, default=7.0,
                    help="loss decay over block slots: weight exp(-(k-1)/gamma)")
 group.add_argument("--lr", type=float, default=6e-4, help="peak AdamW learning rate")
@@ -89,12 +91,12 @@ group.add_argument("--timeout", type=float, default=900, help="seconds a rank wa
 args = parser.parse_args()
 
 # Each rank gets its own Triton and Inductor cache unless the user set one, set before torch imports
-# triton: ranks sharing a cache race on it, and a cache on NFS corrupts (pytorch/pytorch#173679,
-# triton-lang/triton#2688)
+# triton: ranks sharing a cache race on it; a cache on NFS corrupts (pytorch#173679, triton#2688)
 rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-cache_root = args.cache_dir or os.path.join(tempfile.gettempdir(), f"dflash-cache-{getpass.getuser()}")
-os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(cache_root, f"rank{rank}", "triton"))
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache_root, f"rank{rank}", "inductor"))
+default_root = os.path.join(tempfile.gettempdir(), f"dflash-cache-{getpass.getuser()}")
+rank_cache = os.path.join(args.cache_dir or default_root, f"rank{rank}")
+os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(rank_cache, "triton"))
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(rank_cache, "inductor"))
 cache_dirs = [os.environ["TRITON_CACHE_DIR"], os.environ["TORCHINDUCTOR_CACHE_DIR"]]
 if args.fresh_cache:
     for d in cache_dirs:
@@ -104,32 +106,35 @@ if args.fresh_cache:
             os.remove(d)
 
 def on_sigterm(signum, frame):
-    # torchrun tears the whole job down when one process dies: say why, and how to go on, instead of
-    # a bare kill
-    print(f"rank {rank}: stopping on SIGTERM (another process of this job failed, or the job was cancelled); "
-          f"continue from the last checkpoint with --resume --out {args.out}", file=sys.stderr, flush=True)
+    # torchrun tears the whole job down when one process dies: say why, and how to go on
+    print(f"rank {rank}: stopping on SIGTERM (another process of this job failed, or the job was "
+          f"cancelled); continue from the last checkpoint with --resume --out {args.out}",
+          file=sys.stderr, flush=True)
     os._exit(143)
 signal.signal(signal.SIGTERM, on_sigterm)
 
 def on_error(exc_type, value, tb):
     # e.g. a peer died and gloo/NCCL closed the connection: the traceback, then what to do about it
     sys.__excepthook__(exc_type, value, tb)
-    print(f"rank {rank}: stopped by {exc_type.__name__}; continue from the last checkpoint with --resume --out "
-          f"{args.out}. If this is a compile, autotune or cache error, a corrupted cache can be the cause: rerun "
-          f"with --fresh-cache (this rank's caches: {' '.join(cache_dirs)})", file=sys.stderr, flush=True)
+    print(f"rank {rank}: stopped by {exc_type.__name__}; continue from the last checkpoint with "
+          f"--resume --out {args.out}. If this is a compile, autotune or cache error, a corrupted "
+          f"cache can be the cause: rerun with --fresh-cache (this rank's caches: "
+          f"{' '.join(cache_dirs)})", file=sys.stderr, flush=True)
 sys.excepthook = on_error
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from target import Target, TargetConfig
-from model import Drafter, DrafterConfig, sample_anchors, block_lists, flex_backward_kernels, flex_matches_dense
+from model import Drafter, DrafterConfig, sample_anchors, block_lists
+from model import flex_backward_kernels, flex_matches_dense
 from data import open_dataset, Packer, make_demo
 
 # -----------------------------------------------------------------------------
 # ranks: per node the first half of the local ranks run targets, the second half drafters
 
-local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+local_rank = int(os.environ.get("LOCAL_RANK", 0))
+local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
 if world > 1 and local_world % 2:
     sys.exit(f"error: {local_world} processes per node; DFlash pairs need an even number "
              "(half targets, half drafters)")
@@ -151,8 +156,7 @@ if world > 1:
                             device_id=device if cuda else None)
     drafter_group = dist.new_group([r for r in range(world) if r % local_world >= half])
     # log statistics travel on gloo (host memory): an NCCL collective on the world group would queue
-    # on the target behind its sends of the next rows, which the drafter receives only after that
-    # collective: deadlock
+    # on the target behind its sends of the next rows, which the drafter receives only after it
     stats_group = dist.new_group(backend="gloo") if cuda else None
 
 def print0(*a):
@@ -166,14 +170,14 @@ def sync():
         torch.cuda.current_stream(device).synchronize()
 
 # -----------------------------------------------------------------------------
-# data: the demo dataset is made on first use (the tiny target's own greedy continuations, data.py
-# demo)
+# data: the demo dataset is made on first use (the tiny target's greedy continuations)
 
 os.makedirs(args.out, exist_ok=True)
 data_dir = args.data or os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "demo")
 if args.data is None and not os.path.exists(os.path.join(data_dir, "train", "meta.json")):
     if local_rank == 0:
-        print(f"building the demo dataset in {data_dir} (tiny target's greedy continuations)", flush=True)
+        print(f"building the demo dataset in {data_dir} (tiny target's greedy continuations)",
+              flush=True)
         make_demo(data_dir)
     if world > 1:
         dist.barrier()
@@ -184,16 +188,14 @@ packer = Packer(train_ds, args.budget, n_shards=n_pairs, shard=pair, seed=args.s
 steps_per_epoch = packer.steps_per_epoch
 max_steps = args.max_steps or packer.total_steps(args.epochs)
 budget, per_doc, block_size = args.budget, args.anchors, args.block_size
-# the anchor capacity of a row: rows that want more are cut fairly across their documents, fewer are
-# padded
+# the anchor capacity of a row: rows that want more are cut fairly across documents, fewer padded
 demand = packer.anchor_demand(per_doc)
 # a multiple of 8: 128-row tiles
 row_anchors = args.row_anchors or int(-(-np.percentile(demand, 90) // 8) * 8)
 row_anchors = max(8, min(row_anchors, budget - 1, 4 * budget // block_size))
 
 # -----------------------------------------------------------------------------
-# models: target ranks load the layers up to the last tapped one, drafter ranks only embed_tokens +
-# lm_head
+# models: target ranks load the layers up to the last tapped one, drafters embed_tokens + lm_head
 
 preset = not os.path.isdir(args.target)
 tcfg = TargetConfig.preset(args.target) if preset else TargetConfig.from_hf(args.target)
@@ -206,16 +208,19 @@ except ValueError as e:
     sys.exit(f"error: --sliding-window {args.sliding_window}: {e}")
 taps = dcfg.target_layer_ids
 tdtype = torch.bfloat16 if cuda else torch.float32
+most_anchors = min(budget - 1, 4 * budget // block_size)
 start_checks = [
-    (train_ds.vocab_size <= tcfg.vocab_size, f"--data {data_dir}: token ids reach {train_ds.vocab_size - 1}, past "
-     f"the target's vocab ({tcfg.vocab_size}); prepare the data with the target's tokenizer"),
-    (0 <= dcfg.mask_token_id < tcfg.vocab_size, f"--mask-token-id {dcfg.mask_token_id} is not a row of the "
-     f"target's embedding (vocab {tcfg.vocab_size})"),
-    (not args.generate_prompts or val_ds is not None, f"--generate-prompts needs held-out prompts, and "
-     f"{data_dir} has no val/ split; prepare it with --val N"),
-    (budget >= 2 * block_size, f"--budget {budget} must hold at least two blocks ({2 * block_size} tokens)"),
-    (args.row_anchors * block_size <= 4 * budget and args.row_anchors < budget, f"--row-anchors "
-     f"{args.row_anchors} is too many for --budget {budget}: at most {min(budget - 1, 4 * budget // block_size)}"),
+    (train_ds.vocab_size <= tcfg.vocab_size, f"--data {data_dir}: token ids reach "
+     f"{train_ds.vocab_size - 1}, past the target's vocab ({tcfg.vocab_size}); prepare the data "
+     "with the target's tokenizer"),
+    (0 <= dcfg.mask_token_id < tcfg.vocab_size, f"--mask-token-id {dcfg.mask_token_id} is not a "
+     f"row of the target's embedding (vocab {tcfg.vocab_size})"),
+    (not args.generate_prompts or val_ds is not None, "--generate-prompts needs held-out prompts, "
+     f"and {data_dir} has no val/ split; prepare it with --val N"),
+    (budget >= 2 * block_size, f"--budget {budget} must hold at least two blocks "
+     f"({2 * block_size} tokens)"),
+    (args.row_anchors <= most_anchors, f"--row-anchors {args.row_anchors} is too many for "
+     f"--budget {budget}: at most {most_anchors}"),
     (per_doc > 0, f"--anchors {per_doc} must be at least 1"),
 ]
 for ok, msg in start_checks:
@@ -225,39 +230,43 @@ n_layers = max(taps) + 1 if runs_target else 0
 if args.generate_prompts and world == 1:
     # generation needs every layer and the head, not just the tapped ones
     n_layers = None
+load = dict(device=device, dtype=tdtype, n_layers=n_layers, head=runs_drafter)
 if preset:
-    target = Target.build(tcfg, device=device, dtype=tdtype, n_layers=n_layers, head=runs_drafter)
+    target = Target.build(tcfg, **load)
 else:
-    target = Target.from_pretrained(args.target, device=device, dtype=tdtype, n_layers=n_layers, head=runs_drafter)
+    target = Target.from_pretrained(args.target, **load)
 
 if runs_drafter:
     # every drafter rank starts from the same weights (checked at the end)
     torch.manual_seed(args.seed)
     try:
-        drafter = (Drafter.from_pretrained(args.init_drafter) if args.init_drafter else Drafter(dcfg)).to(device)
+        drafter = Drafter.from_pretrained(args.init_drafter) if args.init_drafter else Drafter(dcfg)
     except ValueError as e:
         sys.exit(f"error: --init-drafter {args.init_drafter}: {e}")
+    drafter = drafter.to(device)
     if drafter.config.hidden_size != tcfg.hidden_size or drafter.config.target_layer_ids != taps:
-        sys.exit(f"error: --init-drafter {args.init_drafter} (hidden {drafter.config.hidden_size}, taps "
-                 f"{drafter.config.target_layer_ids}) does not match the target (hidden {tcfg.hidden_size}, "
-                 f"taps {taps})")
+        sys.exit(f"error: --init-drafter {args.init_drafter} (hidden {drafter.config.hidden_size}, "
+                 f"taps {drafter.config.target_layer_ids}) does not match the target "
+                 f"(hidden {tcfg.hidden_size}, taps {taps})")
     layout = lambda c: (c.layer_types, c.windows())
-    if args.init_drafter and args.sliding_window is not None and layout(drafter.config) != layout(dcfg):
-        sys.exit(f"error: --sliding-window {args.sliding_window} asks for layers {layout(dcfg)}, but --init-drafter "
-                 f"{args.init_drafter} has {layout(drafter.config)}; drop --sliding-window")
+    asked = args.init_drafter and args.sliding_window is not None
+    if asked and layout(drafter.config) != layout(dcfg):
+        sys.exit(f"error: --sliding-window {args.sliding_window} asks for layers {layout(dcfg)}, "
+                 f"but --init-drafter {args.init_drafter} has {layout(drafter.config)}; "
+                 "drop --sliding-window")
     # the trained layout: the init drafter's own, when there is one
     dcfg = drafter.config
     embed, head = target.embed_tokens.weight, target.lm_head.weight
-    # fp32 master weights
+    # the drafter's parameters are fp32 (AdamW's master weights); its step computes in bf16 on GPU
     opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
     # flex_attention tiles: the inductor defaults assume ~227 KB of shared memory per block
-    # (H100/H200/B200); cards with ~100 KB (RTX PRO 6000 Blackwell, consumer parts) need the smaller
-    # tiles below
+    # (H100/H200/B200); cards with ~100 KB (RTX PRO 6000 Blackwell, consumer parts) need smaller
     flex = None
     if cuda:
-        smem = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 0)
-        flex = {} if smem >= 200 * 1024 else dict(BLOCK_M=64, BLOCK_N=64, num_stages=2, bwd_BLOCK_M1=32,
-                                                   bwd_BLOCK_N1=64, bwd_BLOCK_M2=32, bwd_BLOCK_N2=32)
+        props = torch.cuda.get_device_properties(device)
+        small = dict(BLOCK_M=64, BLOCK_N=64, num_stages=2,
+                     bwd_BLOCK_M1=32, bwd_BLOCK_N1=64, bwd_BLOCK_M2=32, bwd_BLOCK_N2=32)
+        flex = {} if getattr(props, "shared_memory_per_block_optin", 0) >= 200 * 1024 else small
     autocast = torch.autocast("cuda", torch.bfloat16) if cuda else nullcontext()
     # before any real step: this torch's compiled flex step must equal the dense step on this run's
     # layout
@@ -267,11 +276,13 @@ if runs_drafter:
     if cuda and not args.no_compile:
         import triton
         loss_err, grad_err, seconds = flex_matches_dense(dcfg, device, flex)
-        self_check = (f"compiled flex step == dense step on {'+'.join(dcfg.windows())} layers: loss rel err "
-                      f"{loss_err:.1e}, max grad rel err {grad_err:.1e} ({seconds:.0f} s)")
+        self_check = (f"compiled flex step == dense step on {'+'.join(dcfg.windows())} layers: "
+                      f"loss rel err {loss_err:.1e}, max grad rel err {grad_err:.1e} "
+                      f"({seconds:.0f} s)")
         if not (loss_err < 1e-3 and grad_err < 1e-3):
-            sys.exit(f"error: self-check failed: {self_check}; flex_attention of torch {torch.__version__} / "
-                     f"triton {triton.__version__} computes a wrong step on this GPU; use another torch release")
+            sys.exit(f"error: self-check failed: {self_check}; flex_attention of torch "
+                     f"{torch.__version__} / triton {triton.__version__} computes a wrong step on "
+                     "this GPU; use another torch release")
     if cuda:
         warnings.filterwarnings("error", message=".*flex_attention called without torch.compile.*")
 
@@ -282,12 +293,12 @@ def lr_at(step):
     return args.lr * 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, max_steps - warm)))
 
 # -----------------------------------------------------------------------------
-# the protocol: both roles walk the same schedule, so targets and drafters never need to talk about
-# it
+# the protocol: both roles walk the same schedule, so targets and drafters never talk about it
 
 def schedule(start):
-    """Yields (step, kind, eval row). Every "train" and "eval" item moves one row target -> drafter; every
-    "log" item is one stats exchange in which every rank takes part; "save" is the drafters' alone."""
+    """Yields (step, kind, eval row). Every "train" and "eval" item moves one row target ->
+    drafter; every "log" item is one stats exchange in which every rank takes part; "save" is the
+    drafters' alone."""
     for step in range(start, max_steps + 1):
         if step > start and (step % args.save_interval == 0 or step == max_steps):
             yield step, "save", None
@@ -352,8 +363,8 @@ if args.resume and runs_drafter:
         opt.load_state_dict(ckpt["optimizer"])
         start_step = ckpt["step"]
     except Exception as e:
-        sys.exit(f"error: {ckpt_path} is not a readable checkpoint of this run ({type(e).__name__}: {e}); "
-                 "delete it to start over, or point --out at the right run")
+        sys.exit(f"error: {ckpt_path} is not a readable checkpoint of this run "
+                 f"({type(e).__name__}: {e}); delete it to start over, or point --out at the right run")
 if world > 1:
     step_t = torch.tensor([start_step], device=device)
     dist.broadcast(step_t, log_rank)
@@ -363,7 +374,8 @@ eval_rows = []
 # the first held-out rows; every pair evaluates the same ones (eval is rare)
 if val_ds is not None:
     val_packer = Packer(val_ds, budget, shuffle=False)
-    eval_rows = [val_packer.next_row() for _ in range(min(args.eval_rows, val_packer.steps_per_epoch))]
+    n_eval = min(args.eval_rows, val_packer.steps_per_epoch)
+    eval_rows = [val_packer.next_row() for _ in range(n_eval)]
 
 # -----------------------------------------------------------------------------
 # banner
@@ -379,27 +391,32 @@ try:
     triton_version = triton.__version__
 except ImportError:
     triton_version = "-"
-print0(f"dflash train | torch {torch.__version__} | triton {triton_version} | {world} process(es), {n_pairs} pair(s)")
+print0(f"dflash train | torch {torch.__version__} | triton {triton_version} | "
+       f"{world} process(es), {n_pairs} pair(s)")
 print0("args: " + json.dumps(vars(args)))
 for i in infos:
-    print0(f"  rank {i['rank']}: {i['role']:<14} pair {i['pair']} on {i['device']} | caches {' '.join(i['caches'])}")
-print0(f"target: {args.target} ({tcfg.num_hidden_layers} layers, hidden {tcfg.hidden_size}, vocab {tcfg.vocab_size}), "
-       f"taps {taps}, layers 0..{max(taps)} loaded")
+    print0(f"  rank {i['rank']}: {i['role']:<14} pair {i['pair']} on {i['device']} | "
+           f"caches {' '.join(i['caches'])}")
+print0(f"target: {args.target} ({tcfg.num_hidden_layers} layers, hidden {tcfg.hidden_size}, "
+       f"vocab {tcfg.vocab_size}), taps {taps}, layers 0..{max(taps)} loaded")
 if runs_drafter:
     n_params = sum(p.numel() for p in drafter.parameters())
-    attention = "flex_attention (compiled)" if cuda else "dense mask + SDPA (CPU: flex has no backward)"
-    print0(f"drafter: {n_params / 1e6:.1f}M params, {dcfg.num_hidden_layers} layers, block {block_size}, "
-           f"mask token {dcfg.mask_token_id}, attention: {attention}")
-    kinds = [f"{dcfg.layer_types.count(k)} x {k}" + (f" (window {w})" if w else "") for k, w in dcfg.windows().items()]
+    attention = "flex_attention (compiled)" if cuda else "dense mask + SDPA (CPU)"
+    print0(f"drafter: {n_params / 1e6:.1f}M params, {dcfg.num_hidden_layers} layers, "
+           f"block {block_size}, mask token {dcfg.mask_token_id}, attention: {attention}")
+    kinds = [f"{dcfg.layer_types.count(k)} x {k}" + (f" (window {w})" if w else "")
+             for k, w in dcfg.windows().items()]
     order = " ".join(t.split("_")[0] for t in dcfg.layer_types)
-    print0(f"drafter layout: {' + '.join(kinds)}, in order {order}; rope theta {dcfg.rope_theta:g}, "
-           f"scaling {dcfg.rope_scaling}")
+    print0(f"drafter layout: {' + '.join(kinds)}, in order {order}; "
+           f"rope theta {dcfg.rope_theta:g}, scaling {dcfg.rope_scaling}")
     print0(f"self-check: {self_check}")
-print0(f"data: {data_dir} ({len(train_ds)} samples), {steps_per_epoch} steps/epoch of {n_pairs} x {budget} tokens, "
-       f"{max_steps} steps, truncated samples per epoch: {packer.truncated}; held-out rows: {len(eval_rows)}")
+print0(f"data: {data_dir} ({len(train_ds)} samples), {steps_per_epoch} steps/epoch of {n_pairs} x "
+       f"{budget} tokens, {max_steps} steps, truncated samples per epoch: {packer.truncated}; "
+       f"held-out rows: {len(eval_rows)}")
 sized_by = "--row-anchors" if args.row_anchors else "the 90th percentile of"
-print0(f"anchors: up to {per_doc} per document, {row_anchors} per row ({sized_by} the first {len(demand)} rows' "
-       f"demand: median {np.median(demand):.0f}, max {demand.max()}), {row_anchors * block_size} query tokens per row")
+print0(f"anchors: up to {per_doc} per document, {row_anchors} per row ({sized_by} the first "
+       f"{len(demand)} rows' demand: median {np.median(demand):.0f}, max {demand.max()}), "
+       f"{row_anchors * block_size} query tokens per row")
 
 # -----------------------------------------------------------------------------
 # target ranks: run ahead of the drafter with at most two rows in flight (double-buffered isends)
@@ -434,13 +451,15 @@ if role == "target":
 # -----------------------------------------------------------------------------
 # drafter ranks (and world size 1): receive rows, train
 
-recv_buf = (torch.empty(budget, n_feat * tcfg.hidden_size, dtype=tdtype, device=device),
-            torch.empty(len(ROW_FIELDS), budget, dtype=torch.int64, device=device)) if world > 1 else None
+recv_buf = None
+if world > 1:
+    recv_buf = (torch.empty(budget, n_feat * tcfg.hidden_size, dtype=tdtype, device=device),
+                torch.empty(len(ROW_FIELDS), budget, dtype=torch.int64, device=device))
 # world size 1: (start, end) of each target forward run here
 local_forwards = []
 
 def next_row(kind, r):
-    """The next (feats, row fields) from this pair's target. In world size 1 the target runs in this process."""
+    """The next (feats, row fields) from this pair's target; in world size 1 the target runs here."""
     if world == 1:
         row = eval_rows[r] if kind == "eval" else packer.next_row()
         t0 = mark()
@@ -459,9 +478,9 @@ def next_row(kind, r):
 def drafter_step(feats, row, anchors, keep, blocks):
     # the drafter's forward and loss on one row: compiled as one graph for training and one for eval
     with autocast:
-        return drafter(feats, tokens=row["tokens"], loss_mask=row["loss_mask"], doc=row["doc"], pos=row["pos"],
-                       anchors=anchors, keep=keep, embed=embed, head=head, gamma=args.gamma, flex=flex,
-                       blocks=blocks)
+        return drafter(feats, tokens=row["tokens"], loss_mask=row["loss_mask"], doc=row["doc"],
+                       pos=row["pos"], anchors=anchors, keep=keep, embed=embed, head=head,
+                       gamma=args.gamma, flex=flex, blocks=blocks)
 
 def eval_step(*inputs):
     with torch.no_grad():
@@ -485,26 +504,29 @@ def draw_anchors(row):
 
 def save_checkpoint(step):
     tmp = ckpt_path + f".tmp-{os.getpid()}"
-    torch.save(dict(drafter=drafter.state_dict(), optimizer=opt.state_dict(), step=step, args=vars(args),
-                    drafter_config=vars(dcfg), data=dict(rows_per_pair=step, seed=args.seed),
-                    rng=dict(seed=args.seed, note="anchors are reseeded from (seed, step, pair) every step")), tmp)
+    torch.save(dict(drafter=drafter.state_dict(), optimizer=opt.state_dict(), step=step,
+                    args=vars(args), drafter_config=vars(dcfg),
+                    data=dict(rows_per_pair=step, seed=args.seed),
+                    rng=dict(seed=args.seed, note="anchors are drawn from (seed, step, pair)")), tmp)
     # atomic: a crash mid-write leaves the previous checkpoint intact
     os.replace(tmp, ckpt_path)
     drafter.save_pretrained(os.path.join(args.out, "drafter"))
-    print0(f"step {step}: saved {ckpt_path} and {os.path.join(args.out, 'drafter')}/ (z-lab format)")
+    print0(f"step {step}: saved {ckpt_path} and {args.out}/drafter/ (z-lab format)")
 
 def reduce_drafters(t):
     if world > 1:
         dist.all_reduce(t, group=drafter_group)
     return t
 
-# the metrics of a window live in one device tensor (one all-reduce, no host sync per step); named
-# here only blocks: anchors kept; wanted: anchors the rows asked for before the capacity cut
-METRICS = dict(loss=1, accept_sum=1, blocks=1, wanted=1, nonfinite=1, slot_correct=block_size, slot_count=block_size)
+# The metrics of a window live in one device tensor (one all-reduce, no host sync per step), named
+# here only. blocks: anchors kept; wanted: anchors the rows asked for before the capacity cut.
+METRICS = dict(loss=1, accept_sum=1, blocks=1, wanted=1, nonfinite=1,
+               slot_correct=block_size, slot_count=block_size)
 
 def pack_metrics(out, wanted, nonfinite):
     loss = out["loss"].detach().float().nan_to_num(0.0)
-    parts = [loss, out["accept_sum"], out["blocks"], wanted, nonfinite, out["slot_correct"], out["slot_count"]]
+    parts = [loss, out["accept_sum"], out["blocks"], wanted, nonfinite,
+             out["slot_correct"], out["slot_count"]]
     return torch.cat([p.float().view(-1) for p in parts])
 
 def unpack_metrics(packed):
@@ -548,7 +570,8 @@ for step, kind, r in schedule(start_step):
             # slot 0: the anchor
             slot_acc = (m["slot_correct"] / m["slot_count"].clamp(min=1)).tolist()[1:]
             rec = dict(kind="eval", step=step, loss=m["loss"].item() / (len(eval_rows) * n_pairs),
-                       accept=m["accept_sum"].item() / max(m["blocks"].item(), 1), slot_acc=slot_acc)
+                       accept=m["accept_sum"].item() / max(m["blocks"].item(), 1),
+                       slot_acc=slot_acc)
             log(rec, f"eval step {step}: loss {rec['loss']:.4f} | accept {rec['accept']:.3f} | "
                      f"slot acc {' '.join(f'{a:.2f}' for a in slot_acc)}")
             eval_accept = rec["accept"]
@@ -564,8 +587,9 @@ for step, kind, r in schedule(start_step):
         # the fused-backward check profiles the first step after the one that compiled (a profiler
         # around compilation would also record every autotuning kernel)
         profile = not fused_checked and step > start_step
-        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) if profile else None
-        if prof:
+        prof = None
+        if profile:
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
             prof.__enter__()
         anchors, keep, blocks, wanted = draw_anchors(row)
         out = train_step(feats, row, anchors, keep, blocks)
@@ -591,10 +615,12 @@ for step, kind, r in schedule(start_step):
             prof.__exit__(None, None, None)
             kernels, fused = flex_backward_kernels(prof, kinds=len(dcfg.windows()))
             if not fused:
-                raise RuntimeError(f"the first step did not run a fused flex_attention backward kernel for each of "
-                                   f"the {len(dcfg.windows())} layer kinds (saw {kernels}); refusing to train on the "
-                                   "dense fallback (~17 GB per layer at 512 anchors / 8192 budget)")
-            print0(f"step {step}: fused flex_attention backward verified (profiler saw {', '.join(kernels)})")
+                raise RuntimeError(
+                    "the first step did not run a fused flex_attention backward kernel for each of the "
+                    f"{len(dcfg.windows())} layer kinds (saw {kernels}); refusing to train on the dense "
+                    "fallback (~17 GB per layer at 512 anchors / 8192 budget)")
+            print0(f"step {step}: fused flex_attention backward verified "
+                   f"(profiler saw {', '.join(kernels)})")
             fused_checked = True
         train_sums += pack_metrics(out, wanted, nonfinite)
         gnorm_sum += gnorm.detach().nan_to_num(0.0)
@@ -613,11 +639,12 @@ for step, kind, r in schedule(start_step):
         drafter_ms = sum(ms(b, c) for _, b, c in step_marks) / n_window
         n_bad = int(m["nonfinite"])
         if n_bad:
+            flags = nonfinite_rows[:n_window].tolist()
             rows = [[step + 1 - n_window + i, epoch, index]
-                    for i, (bad, epoch, index) in enumerate(nonfinite_rows[:n_window].tolist()) if bad]
-            log(dict(kind="nonfinite", step=step, rows=rows), f"step {step}: non-finite loss or grad norm, update "
-                f"skipped at (step, epoch, row) {rows} on this rank; {n_bad} in the last {n_window} steps "
-                "on all drafters")
+                    for i, (bad, epoch, index) in enumerate(flags) if bad]
+            log(dict(kind="nonfinite", step=step, rows=rows),
+                f"step {step}: non-finite loss or grad norm, update skipped at (step, epoch, row) "
+                f"{rows} on this rank; {n_bad} in the last {n_window} steps on all drafters")
             if n_bad * 2 > n_window * n_pairs:
                 sys.exit(f"error: {n_bad} of the last {n_window} steps were non-finite; stopping. "
                          "Lower --lr or check the data")
@@ -625,7 +652,8 @@ for step, kind, r in schedule(start_step):
         step_ms = seconds * 1e3 / n_window
         target_ms = stats[:, 0].max().item()
         rec = dict(kind="train", step=step + 1, epoch=(step + 1) / steps_per_epoch,
-                   loss=m["loss"].item() / rows_done, accept=m["accept_sum"].item() / max(m["blocks"].item(), 1),
+                   loss=m["loss"].item() / rows_done,
+                   accept=m["accept_sum"].item() / max(m["blocks"].item(), 1),
                    lr=lr_at(step), gnorm=gnorm_sum.item() / n_window,
                    # context tokens, all pairs
                    tok_s=rows_done * budget / seconds,
@@ -643,27 +671,31 @@ for step, kind, r in schedule(start_step):
                    mem_gib=stats[:, 1].tolist(),
                    # compiled on this rank so far
                    graphs=torch._dynamo.utils.counters["stats"]["unique_graphs"])
-        log(rec, f"step {rec['step']}/{max_steps} | ep {rec['epoch']:.2f} | loss {rec['loss']:.4f} | accept "
-                 f"{rec['accept']:.3f} | lr {rec['lr']:.2e} | gnorm {rec['gnorm']:.2f} | {rec['tok_s']:.0f} tok/s "
-                 f"{rec['blocks_s']:.0f} blocks/s | anchors/row {rec['anchors_row']:.0f} cut {rec['anchors_cut']} "
-                 f"pad {rec['pad_frac']:.0%} | ms target {target_ms:.0f} wait {wait_ms:.0f} drafter "
-                 f"{drafter_ms:.0f} busy {rec['busy_target']:.0%} {rec['busy_drafter']:.0%} | "
+        log(rec, f"step {rec['step']}/{max_steps} | ep {rec['epoch']:.2f} | loss {rec['loss']:.4f} | "
+                 f"accept {rec['accept']:.3f} | lr {rec['lr']:.2e} | gnorm {rec['gnorm']:.2f} | "
+                 f"{rec['tok_s']:.0f} tok/s {rec['blocks_s']:.0f} blocks/s | "
+                 f"anchors/row {rec['anchors_row']:.0f} cut {rec['anchors_cut']} "
+                 f"pad {rec['pad_frac']:.0%} | ms target {target_ms:.0f} wait {wait_ms:.0f} "
+                 f"drafter {drafter_ms:.0f} busy {rec['busy_target']:.0%} {rec['busy_drafter']:.0%} | "
                  f"mem GiB {' '.join(f'{x:.1f}' for x in rec['mem_gib'])}")
         train_sums.zero_(), gnorm_sum.zero_(), nonfinite_rows.zero_()
         step_marks, local_forwards, n_window, t_window = [], [], 0, time.perf_counter()
 
 if args.generate_prompts and world > 1:
-    print0("--generate-prompts skipped: a multi-process job's drafter ranks hold only the target's embedding and "
-           f"head; run `python generate.py --target {args.target} --drafter {args.out}/drafter` on one GPU")
+    print0("--generate-prompts skipped: a multi-process job's drafter ranks hold only the target's "
+           f"embedding and head; run `python generate.py --target {args.target} "
+           f"--drafter {args.out}/drafter` on one GPU")
 elif args.generate_prompts and rank == log_rank:
     import generate
     exported = Drafter.from_pretrained(os.path.join(args.out, "drafter"), device=device, dtype=tdtype)
-    prompts = [p.to(device) for p in generate.dataset_prompts(data_dir, args.generate_prompts, log=print0)]
+    prompts = generate.dataset_prompts(data_dir, args.generate_prompts, log=print0)
+    prompts = [p.to(device) for p in prompts]
     eos = set() if preset else set(generate.hf_eos(args.target))
     res = generate.evaluate(target, exported, prompts, args.generate_tokens, eos, log=print0)
-    log(dict(kind="generate", step=max_steps, proxy_accept=eval_accept if eval_rows else None, **res),
-        f"generate: tau {res['tau']:.3f} on {len(prompts)} held-out prompts with the exported drafter "
-        f"(held-out proxy accept {eval_accept if eval_rows else float('nan'):.3f})")
+    proxy = eval_accept if eval_rows else None
+    log(dict(kind="generate", step=max_steps, proxy_accept=proxy, **res),
+        f"generate: tau {res['tau']:.3f} on {len(prompts)} held-out prompts with the exported "
+        f"drafter (held-out proxy accept {proxy if proxy is not None else float('nan'):.3f})")
 
 if world > 1:
     # data parallel must leave every drafter with the same weights: check it, do not assume it
@@ -672,6 +704,7 @@ if world > 1:
         reference = p.detach().clone()
         dist.broadcast(reference, log_rank, group=drafter_group)
         diff = torch.maximum(diff, (reference - p.detach()).abs().max())
-    print0(f"end: drafter weights identical across {n_pairs} drafter(s): max abs diff {reduce_drafters(diff).item():.3g}")
+    diff = reduce_drafters(diff).item()
+    print0(f"end: drafter weights identical across {n_pairs} drafter(s): max abs diff {diff:.3g}")
     dist.barrier()
     dist.destroy_process_group()
