@@ -3,7 +3,7 @@ Training data for the drafter: the on-disk format, the commands that write it, a
 turns samples into fixed-size rows for train.py.
 
 A dataset is a directory of flat arrays, memory-mapped on open so a 100 GB corpus costs no RAM:
-    tokens.bin     uint32 [n_tokens]       all samples back to back (uint32: vocabularies exceed 65535)
+    tokens.bin     uint32 [n_tokens]       all samples back to back (uint32: vocabs exceed 65535)
     loss_mask.bin  uint8  [n_tokens]       1 where the drafter is trained to predict that token
     offsets.bin    int64  [n_samples + 1]  sample i is tokens[offsets[i]:offsets[i+1]]
     meta.json      version, vocab bound and counts. Written last and renamed into place with the
@@ -14,8 +14,9 @@ Commands (python data.py <cmd> -h lists every flag):
     python data.py demo --out data/demo
 Both write DIR/train and (with a held-out split) DIR/val. open_dataset(DIR) picks DIR/train.
 A JSONL line is {"input_ids": [...], "loss_mask": [...]} (mask optional, default all ones) or
-{"messages": [{"role": "user", "content": "..."}, ...]}. The second is rendered in the Qwen chat format
-and needs --tokenizer. Its loss mask covers each assistant answer plus that answer's <|im_end|>.
+{"messages": [{"role": "user", "content": "..."}, ...]}. The second is rendered in the Qwen
+chat format and needs --tokenizer. Its loss mask covers each assistant answer plus that
+answer's <|im_end|>.
 """
 import argparse
 import json
@@ -28,7 +29,8 @@ from typing import NamedTuple
 import numpy as np
 
 VERSION = 1
-REBUILD = "rebuild it with `python data.py prepare --input FILE.jsonl --out DIR --force` (or `python data.py demo --out DIR --force`)"
+REBUILD = ("rebuild it with `python data.py prepare --input FILE.jsonl --out DIR --force` "
+           "(or `python data.py demo --out DIR --force`)")
 
 class DataError(ValueError):
     """Bad data on disk or in the input. The message names the file and the fix."""
@@ -45,7 +47,8 @@ class _Writer:
         shutil.rmtree(self.tmp, ignore_errors=True)  # left by a crashed run that had our pid
         os.makedirs(self.tmp)
         # plain appends in constant memory: nothing is accumulated, whatever the dataset size
-        self.f = {k: open(os.path.join(self.tmp, k), "wb") for k in ("tokens.bin", "loss_mask.bin", "offsets.bin")}
+        self.f = {k: open(os.path.join(self.tmp, k), "wb")
+                  for k in ("tokens.bin", "loss_mask.bin", "offsets.bin")}
         self.f["offsets.bin"].write(np.zeros(1, "<i8").tobytes())
         self.n = self.n_tokens = self.n_supervised = 0
         self.max_id = -1
@@ -54,10 +57,11 @@ class _Writer:
         ids, mask = np.asarray(ids), np.asarray(mask)
         bound = self.vocab_size or 2**32
         if ids.ndim != 1 or ids.shape != mask.shape or len(ids) == 0:
-            raise DataError(f"sample {self.n}: ids and mask must be 1-D, non-empty, of equal length; "
-                            f"got shapes {ids.shape}, {mask.shape}")
+            raise DataError(f"sample {self.n}: ids and mask must be 1-D, non-empty, "
+                            f"of equal length; got shapes {ids.shape}, {mask.shape}")
         if ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= bound:
-            raise DataError(f"sample {self.n}: ids must be integers in [0, {bound}); got {ids.dtype} in [{ids.min()}, {ids.max()}]")
+            raise DataError(f"sample {self.n}: ids must be integers in [0, {bound}); "
+                            f"got {ids.dtype} in [{ids.min()}, {ids.max()}]")
         if not ((mask == 0) | (mask == 1)).all():
             raise DataError(f"sample {self.n}: loss mask values must be 0 or 1")
         self.f["tokens.bin"].write(ids.astype("<u4").tobytes())
@@ -73,8 +77,9 @@ class _Writer:
         if self.n == 0:
             self.abort()
             raise DataError(f"{self.out}: no samples to write")
-        meta = dict(version=VERSION, vocab_size=int(self.vocab_size or self.max_id + 1), n_samples=self.n,
-                    n_tokens=self.n_tokens, n_supervised=self.n_supervised, max_id=self.max_id, **extra)
+        meta = dict(version=VERSION, vocab_size=int(self.vocab_size or self.max_id + 1),
+                    n_samples=self.n, n_tokens=self.n_tokens, n_supervised=self.n_supervised,
+                    max_id=self.max_id, **extra)
         with open(os.path.join(self.tmp, "meta.json"), "w") as f:
             json.dump(meta, f, indent=1)
         # --force: move the old one aside first, so there is never a half state
@@ -111,7 +116,8 @@ class Dataset:
     def __init__(self, path):
         meta_path = os.path.join(path, "meta.json")
         if not os.path.isfile(meta_path):
-            raise DataError(f"{meta_path} not found, so {path} is not a complete dataset; {REBUILD}")
+            raise DataError(f"{meta_path} not found, so {path} is not a complete dataset; "
+                            f"{REBUILD}")
         try:
             with open(meta_path) as f:
                 meta = json.load(f)
@@ -120,23 +126,27 @@ class Dataset:
         except (ValueError, KeyError, TypeError) as e:
             raise DataError(f"{meta_path} is unreadable ({e!r}); {REBUILD}")
         if version != VERSION:
-            raise DataError(f"{meta_path} has format version {version}, this data.py reads version {VERSION}; {REBUILD}")
+            raise DataError(f"{meta_path} has format version {version}, this data.py reads "
+                            f"version {VERSION}; {REBUILD}")
         if n < 1:
             raise DataError(f"{meta_path} says the dataset is empty; {REBUILD}")
         arrays = []
-        for name, dtype, count in (("tokens.bin", "<u4", n_tokens), ("loss_mask.bin", "u1", n_tokens), ("offsets.bin", "<i8", n + 1)):
+        for name, dtype, count in (("tokens.bin", "<u4", n_tokens),
+                                   ("loss_mask.bin", "u1", n_tokens),
+                                   ("offsets.bin", "<i8", n + 1)):
             p, want = os.path.join(path, name), count * np.dtype(dtype).itemsize
             size = os.path.getsize(p) if os.path.isfile(p) else None
             if size != want:
-                raise DataError(f"{p} is {'missing' if size is None else f'{size} bytes'}, but meta.json says "
-                                f"{count} x {dtype} = {want} bytes (truncated, or from another dataset); {REBUILD}")
+                raise DataError(f"{p} is {'missing' if size is None else f'{size} bytes'}, "
+                                f"but meta.json says {count} x {dtype} = {want} bytes "
+                                f"(truncated, or from another dataset); {REBUILD}")
             arrays.append(np.memmap(p, dtype, mode="r", shape=(count,)))
         self.tokens, self.loss_mask, self.offsets = arrays
         # per-sample lengths live in RAM (8 bytes a sample): the packer plans whole epochs from them
         self.lengths = np.diff(np.asarray(self.offsets))
         if self.offsets[0] != 0 or self.offsets[-1] != n_tokens or not np.all(self.lengths > 0):
-            raise DataError(f"{os.path.join(path, 'offsets.bin')} must start at 0, increase strictly and end at "
-                            f"n_tokens={n_tokens}; {REBUILD}")
+            raise DataError(f"{os.path.join(path, 'offsets.bin')} must start at 0, increase "
+                            f"strictly and end at n_tokens={n_tokens}; {REBUILD}")
         self.path, self.meta = path, meta
 
     def __len__(self):
@@ -148,7 +158,8 @@ class Dataset:
 
 def open_dataset(path):
     """Open a dataset directory, or the parent that prepare/demo wrote (then its train/ split)."""
-    if not os.path.exists(os.path.join(path, "meta.json")) and os.path.exists(os.path.join(path, "train", "meta.json")):
+    if (not os.path.exists(os.path.join(path, "meta.json"))
+            and os.path.exists(os.path.join(path, "train", "meta.json"))):
         path = os.path.join(path, "train")
     return Dataset(path)
 
@@ -158,23 +169,20 @@ def open_dataset(path):
 class Row(NamedTuple):
     tokens: np.ndarray      # int64 [budget], padding id 0
     loss_mask: np.ndarray   # uint8 [budget], 0 on padding
-    # int32 [budget], 0,1,2,... per packed sample; the padding tail gets the next index
-    doc: np.ndarray
-    # int64 [budget], position within its document (restarts at 0, padding tail too)
-    pos: np.ndarray
-    # int64 [n_docs + 1], document boundaries incl. the padding tail; ends at budget
-    cu_seqlens: np.ndarray
+    doc: np.ndarray         # int32 [budget], 0,1,2,... per packed sample; padding tail: next index
+    pos: np.ndarray         # int64 [budget], position in its document (from 0; padding tail too)
+    cu_seqlens: np.ndarray  # int64 [n_docs + 1], document bounds incl. padding tail; ends at budget
     samples: np.ndarray     # int64 dataset indices of the packed samples, in row order
     epoch: int
-    # row index within the epoch (>= the epoch's row count for a shard's filler row)
-    index: int
+    index: int              # row in the epoch (>= the epoch's row count for a shard's filler row)
 
 class Packer:
-    """Per epoch: a seeded shuffle of the samples, packed next-fit in that order into rows; row r goes to
-    shard r % n_shards. The plan needs only lengths, so every shard computes the same one on its own and
-    all agree on steps_per_epoch (which can differ by a row or so between epochs, as the order changes).
-    A sample longer than budget keeps its first `budget` tokens: `truncated` and `truncated_tokens` count
-    them per epoch, over the whole dataset, so the trainer can warn once at start."""
+    """Per epoch: a seeded shuffle of the samples, packed next-fit in that order into rows; row r
+    goes to shard r % n_shards. The plan needs only lengths, so every shard computes the same one
+    on its own and all agree on steps_per_epoch (which can differ by a row or so between epochs,
+    as the order changes). A sample longer than budget keeps its first `budget` tokens:
+    `truncated` and `truncated_tokens` count them per epoch, over the whole dataset, so the
+    trainer can warn once at start."""
 
     def __init__(self, dataset, budget, n_shards=1, shard=0, seed=0, shuffle=True):
         assert 0 <= shard < n_shards, f"shard {shard} must be in [0, n_shards={n_shards})"
@@ -192,7 +200,8 @@ class Packer:
         if self._planned == (self.epoch, self.seed):
             return
         n = len(self.ds)
-        order = np.random.default_rng((self.seed, self.epoch)).permutation(n) if self.shuffle else np.arange(n)
+        order = (np.random.default_rng((self.seed, self.epoch)).permutation(n) if self.shuffle
+                 else np.arange(n))
         lens, starts, used = self._len[order], [0], 0
         # chunked, so tolist() never holds millions of Python ints at once
         for c in range(0, n, 1 << 16):
@@ -213,7 +222,8 @@ class Packer:
             self._plan()
         r = self.shard + self.step * self.n_shards
         self.step += 1
-        idx = self._order[self._starts[r]:self._starts[r + 1]] if r + 1 < len(self._starts) else self._order[:0]
+        idx = (self._order[self._starts[r]:self._starts[r + 1]] if r + 1 < len(self._starts)
+               else self._order[:0])
         budget = self.budget
         tokens, mask = np.zeros(budget, np.int64), np.zeros(budget, np.uint8)
         doc, pos = np.empty(budget, np.int32), np.empty(budget, np.int64)
@@ -227,12 +237,14 @@ class Packer:
         if p < budget:  # the padding tail is its own document, so no real token can attend to it
             doc[p:], pos[p:] = len(idx), np.arange(budget - p)
             cu.append(budget)
-        return Row(tokens, mask, doc, pos, np.array(cu, np.int64), idx.astype(np.int64), self.epoch, r)
+        return Row(tokens, mask, doc, pos, np.array(cu, np.int64), idx.astype(np.int64),
+                   self.epoch, r)
 
     def anchor_demand(self, per_doc, rows=512):
-        """Anchors each of the first `rows` rows of this epoch's plan (all shards) asks for when every sample
-        gives min(per_doc, eligible) of them, eligible = positions a with loss_mask[a] = loss_mask[a+1] = 1
-        (model.sample_anchors). train.py sizes the row's anchor capacity from it. Reads only those samples."""
+        """Anchors each of the first `rows` rows of this epoch's plan (all shards) asks for when
+        every sample gives min(per_doc, eligible) of them, eligible = positions a with
+        loss_mask[a] = loss_mask[a+1] = 1 (model.sample_anchors). train.py sizes the row's anchor
+        capacity from it. Reads only those samples."""
         demand = []
         for r in range(min(rows, len(self._starts) - 1)):
             want = 0
@@ -244,8 +256,8 @@ class Packer:
         return np.array(demand, np.int64)
 
     def seek(self, steps):
-        """Go to the position after `steps` rows of this shard since the start of epoch 0 (epochs differ in
-        length, so this walks the epoch plans; lengths only, no token is read)."""
+        """Go to the position after `steps` rows of this shard since the start of epoch 0 (epochs
+        differ in length, so this walks the epoch plans; lengths only, no token is read)."""
         self.epoch = 0
         self._plan()
         while steps > self.steps_per_epoch:
@@ -271,7 +283,7 @@ class _Bad(Exception):
     """A skipped input line: args = (kind, detail)."""
 
 def _chat_encoder(path):
-    """Qwen chat format, tokenized one piece at a time, so we know exactly which tokens are the answers'."""
+    """Qwen chat format, tokenized per piece, so we know exactly which tokens are the answers'."""
     from tokenizers import Tokenizer  # only the chat path needs it
     if not os.path.isfile(path):
         raise DataError(f"tokenizer file {path} not found")
@@ -280,7 +292,8 @@ def _chat_encoder(path):
     for s in ("<|im_start|>", "<|im_end|>"):
         ids = tok.encode(s, add_special_tokens=False).ids
         if len(ids) != 1 or tok.token_to_id(s) != ids[0]:
-            raise DataError(f"{path}: {s} is not a single special token of this tokenizer (it encodes to {ids}); "
+            raise DataError(f"{path}: {s} is not a single special token of this tokenizer "
+                            f"(it encodes to {ids}); "
                             "chat-format JSONL needs a Qwen-style tokenizer.json")
         special.append(ids[0])
     start, end = special
@@ -314,19 +327,23 @@ def _parse(line, bound, chat, where):
         if ids.ndim != 1 or len(ids) == 0 or ids.dtype.kind not in "iu":
             raise _Bad("bad input_ids", "must be a non-empty list of integers")
         if mask.shape != ids.shape:
-            raise _Bad("loss_mask length mismatch", f"{mask.size} mask values for {len(ids)} input_ids")
+            raise _Bad("loss_mask length mismatch",
+                       f"{mask.size} mask values for {len(ids)} input_ids")
         if not np.isin(mask, (0, 1)).all():
             raise _Bad("bad loss_mask", "values must be 0 or 1")
     elif isinstance(obj, dict) and "messages" in obj:
         if chat is None:  # a setup error, not a bad line: stop at once rather than skip every line
-            raise DataError(f"{where}: chat-format line (\"messages\") needs --tokenizer tokenizer.json")
+            raise DataError(f"{where}: chat-format line (\"messages\") needs "
+                            "--tokenizer tokenizer.json")
         msgs = obj["messages"]
-        if not (isinstance(msgs, list) and msgs and all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                                        and isinstance(m.get("content"), str) for m in msgs)):
+        if not (isinstance(msgs, list) and msgs
+                and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                        and isinstance(m.get("content"), str) for m in msgs)):
             raise _Bad("bad messages", 'need a non-empty list of {"role": str, "content": str}')
         ids, mask = map(np.asarray, chat(msgs))
     else:
-        raise _Bad("neither input_ids nor messages", "a line must be an object with \"input_ids\" or \"messages\"")
+        raise _Bad("neither input_ids nor messages",
+                   "a line must be an object with \"input_ids\" or \"messages\"")
     if ids.min() < 0 or ids.max() >= bound:
         bad = ids[(ids < 0) | (ids >= bound)][0]
         raise _Bad("token id out of range", f"id {bad} not in [0, {bound})")
@@ -334,7 +351,8 @@ def _parse(line, bound, chat, where):
         raise _Bad("no supervised token", "loss mask is all zero (no assistant turn?)")
     return ids, mask
 
-def prepare(input, out, tokenizer=None, val=None, vocab_size=None, force=False, max_bad=0.01, log=print):
+def prepare(input, out, tokenizer=None, val=None, vocab_size=None, force=False, max_bad=0.01,
+            log=print):
     """JSONL -> out/train and, if val (a count >= 1 or a fraction in (0, 1)) is given, out/val."""
     if not os.path.isfile(input):
         raise DataError(f"input file {input} not found")
@@ -347,7 +365,8 @@ def prepare(input, out, tokenizer=None, val=None, vocab_size=None, force=False, 
             n_lines = sum(1 for _ in f)
         n_val = round(val * n_lines) if isinstance(val, float) else val
         if not 0 < n_val < n_lines:
-            raise DataError(f"--val {val} selects {n_val} of the {n_lines} lines of {input}; need at least 1 and fewer than all")
+            raise DataError(f"--val {val} selects {n_val} of the {n_lines} lines of {input}; "
+                            "need at least 1 and fewer than all")
     bad, total, blank, n_tok, t0, last, writers = {}, 0, 0, 0, time.time(), time.time(), []
     try:
         for s in ("train", "val")[:1 + bool(n_val)]:
@@ -367,23 +386,26 @@ def prepare(input, out, tokenizer=None, val=None, vocab_size=None, force=False, 
                     continue
                 # line i is held out when floor(i * n_val / n_lines) steps up: exactly n_val lines
                 i = lineno - 1
-                writers[1 if n_val and (i + 1) * n_val // n_lines > i * n_val // n_lines else 0].add(ids, mask)
+                held_out = n_val and (i + 1) * n_val // n_lines > i * n_val // n_lines
+                writers[1 if held_out else 0].add(ids, mask)
                 n_tok += len(ids)
                 if time.time() - last > 5:
                     last = time.time()
-                    log(f"prepare: {total - sum(bad.values())} samples | {n_tok / 1e6:.2f}M tokens | "
-                        f"{n_tok / (last - t0) / 1e6:.2f}M tokens/s")
+                    log(f"prepare: {total - sum(bad.values())} samples | "
+                        f"{n_tok / 1e6:.2f}M tokens | {n_tok / (last - t0) / 1e6:.2f}M tokens/s")
         n_bad = sum(bad.values())
         if blank:
             log(f"ignored {blank} blank lines")
         if n_bad:
-            log(f"skipped {n_bad} of {total} lines: " + ", ".join(f"{c} {k}" for k, c in bad.items()))
+            log(f"skipped {n_bad} of {total} lines: "
+                + ", ".join(f"{c} {k}" for k, c in bad.items()))
         if total == 0:
             raise DataError(f"{input} is empty")
         if n_bad == total:
             raise DataError(f"{input}: none of its {total} lines is a valid sample (see above)")
         if n_bad > max_bad * total:
-            raise DataError(f"{input}: {n_bad} of {total} lines ({n_bad / total:.1%}) are bad, more than --max-bad {max_bad:g}; "
+            raise DataError(f"{input}: {n_bad} of {total} lines ({n_bad / total:.1%}) are bad, "
+                            f"more than --max-bad {max_bad:g}; "
                             "fix the input, or raise --max-bad to accept the loss")
         metas = [w.commit(source=input, split=s) for w, s in zip(writers, ("train", "val"))]
     except BaseException:
@@ -407,25 +429,28 @@ def _summary(out, metas, t0, log):
 # demo: the default dataset, made the DFlash way at toy scale
 
 def make_demo(out_dir, samples=384, val_samples=32, new_tokens=48, seed=0, force=False, log=print):
-    """Random prompts of 8-24 tokens, each continued greedily for new_tokens by the `tiny` target of
-    target.py, loss mask on the continuation: the data is the very target's own output, as DFlash trains,
-    so the acceptance proxy is real acceptance against that target. The weights come from Target.build,
-    which seeds each tensor by its name, so they match train.py's tiny target whatever the seed; `seed`
-    picks the prompts. A directory that already holds this exact demo is reused, not remade."""
-    want = dict(demo="tiny", samples=samples, val_samples=val_samples, new_tokens=new_tokens, seed=seed)
+    """Random prompts of 8-24 tokens, each continued greedily for new_tokens by the `tiny` target
+    of target.py, loss mask on the continuation: the data is the very target's own output, as
+    DFlash trains, so the acceptance proxy is real acceptance against that target. The weights
+    come from Target.build, which seeds each tensor by its name, so they match train.py's tiny
+    target whatever the seed; `seed` picks the prompts. A directory that already holds this
+    exact demo is reused, not remade."""
+    want = dict(demo="tiny", samples=samples, val_samples=val_samples, new_tokens=new_tokens,
+                seed=seed)
     try:
-        if not force and all(open_dataset(os.path.join(out_dir, s)).meta.get("source") == want for s in ("train", "val")):
+        if not force and all(open_dataset(os.path.join(out_dir, s)).meta.get("source") == want
+                             for s in ("train", "val")):
             log(f"reusing the demo in {out_dir}")
             return out_dir
     except (OSError, ValueError):
-        # not there, or not this demo: make it (and _Writer refuses to overwrite without force)
-        pass
+        pass  # not there, or not this demo: make it (_Writer refuses to overwrite without force)
     import torch
     from target import Target, TargetConfig
     cfg = TargetConfig.preset("tiny")
     target = Target.build(cfg).eval()
     rng, n, t0 = np.random.default_rng(seed), samples + val_samples, time.time()
-    prompts = [torch.from_numpy(rng.integers(1, cfg.vocab_size, rng.integers(8, 25))) for _ in range(n)]
+    prompts = [torch.from_numpy(rng.integers(1, cfg.vocab_size, rng.integers(8, 25)))
+               for _ in range(n)]
     # No KV cache, so every step reruns the whole prefix; the target batches all documents of a
     # chunk in one forward on the CPU, so the cost is ~new_tokens forwards per chunk.
     chunk = 512
@@ -458,46 +483,63 @@ def make_demo(out_dir, samples=384, val_samples=32, new_tokens=48, seed=0, force
 def _val_arg(s):  # --val: a number of lines (>= 1) or a fraction of them in (0, 1)
     v = float(s)
     if not (0 < v < 1 or (v >= 1 and v == int(v))):
-        raise argparse.ArgumentTypeError(f"--val {s}: give a number of samples >= 1 or a fraction in (0, 1)")
+        raise argparse.ArgumentTypeError(f"--val {s}: give a number of samples >= 1 "
+                                         "or a fraction in (0, 1)")
     return v if v < 1 else int(v)
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("prepare", help="JSONL -> DIR/train (+ DIR/val)")
-    p.add_argument("--input", required=True, help="JSONL file, one sample per line (input_ids or messages)")
-    p.add_argument("--out", required=True, help="output directory; gets train/ and, with --val, val/")
-    p.add_argument("--tokenizer", default=None, help="HF tokenizer.json, needed for \"messages\" lines")
+    p.add_argument("--input", required=True,
+                   help="JSONL file, one sample per line (input_ids or messages)")
+    p.add_argument("--out", required=True,
+                   help="output directory; gets train/ and, with --val, val/")
+    p.add_argument("--tokenizer", default=None,
+                   help="HF tokenizer.json, needed for \"messages\" lines")
     p.add_argument("--val", type=_val_arg, default=None,
-                   help="held-out lines: a count (e.g. 1000) or a fraction (e.g. 0.01), spread evenly over the file; default none")
+                   help="held-out lines: a count (e.g. 1000) or a fraction (e.g. 0.01), "
+                   "spread evenly over the file; default none")
     p.add_argument("--vocab-size", type=int, default=None,
-                   help="reject token ids >= this and record it as the vocab bound; default: tokenizer size, else max id + 1")
-    p.add_argument("--max-bad", type=float, default=0.01, help="fail if more than this fraction of lines is bad (default 0.01 = 1%%)")
+                   help="reject token ids >= this and record it as the vocab bound; "
+                   "default: tokenizer size, else max id + 1")
+    p.add_argument("--max-bad", type=float, default=0.01,
+                   help="fail if more than this fraction of lines is bad (default 0.01 = 1%%)")
     p.add_argument("--force", action="store_true", help="overwrite existing DIR/train and DIR/val")
-    d = sub.add_parser("demo", help="the tiny target's greedy continuations of random prompts -> DIR/train, DIR/val")
+    d = sub.add_parser("demo", help="the tiny target's greedy continuations of random prompts "
+                       "-> DIR/train, DIR/val")
     d.add_argument("--out", default="data/demo", help="output directory (default data/demo)")
     # the same demo train.py builds on first use, into the same data/demo
     dflt = make_demo.__defaults__
-    d.add_argument("--samples", type=int, default=dflt[0], help=f"training samples (default {dflt[0]})")
-    d.add_argument("--val-samples", type=int, default=dflt[1], help=f"held-out samples (default {dflt[1]})")
-    d.add_argument("--new-tokens", type=int, default=dflt[2], help=f"greedy tokens per sample, all supervised (default {dflt[2]})")
+    d.add_argument("--samples", type=int, default=dflt[0],
+                   help=f"training samples (default {dflt[0]})")
+    d.add_argument("--val-samples", type=int, default=dflt[1],
+                   help=f"held-out samples (default {dflt[1]})")
+    d.add_argument("--new-tokens", type=int, default=dflt[2],
+                   help=f"greedy tokens per sample, all supervised (default {dflt[2]})")
     d.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     d.add_argument("--force", action="store_true", help="overwrite an existing demo")
     args = ap.parse_args(argv)
     try:
         if args.cmd == "prepare":
-            prepare(args.input, args.out, args.tokenizer, args.val, args.vocab_size, args.force, args.max_bad)
+            prepare(args.input, args.out, args.tokenizer, args.val, args.vocab_size, args.force,
+                    args.max_bad)
         else:
-            make_demo(args.out, args.samples, args.val_samples, args.new_tokens, args.seed, args.force)
+            make_demo(args.out, args.samples, args.val_samples, args.new_tokens, args.seed,
+                      args.force)
     except DataError as e:
         sys.exit(f"error: {e}")
 
 if __name__ == "__main__":
     main()
 
-# What to expect (2-core CPU, torch 2.13, Nov 2026): python data.py demo --out data/demo   ~40 s;
-# train: 384 samples, 24559 tokens (18432 supervised), val: 32 samples, 2037 tokens (1536
-# supervised), vocab bound 512 python data.py prepare ...            ~5M tokens/s for pretokenized
-# lines; peak RSS stays ~3 MB over the bare imports at 1M-16M tokens (test_smoke.py measures it)
-# sizes on disk: tokens.bin 4 B/token, loss_mask.bin 1 B/token, offsets.bin 8 B/sample, so a
-# 1B-token corpus of 1M samples is 4 GB + 1 GB + 8 MB, memory-mapped, never read whole
+# What to expect (2-core CPU, torch 2.13, Nov 2026):
+#   python data.py demo --out data/demo   ~40 s, vocab bound 512
+#                                         train: 384 samples, 24559 tokens (18432 supervised)
+#                                         val:    32 samples,  2037 tokens  (1536 supervised)
+#   python data.py prepare ...            ~5M tokens/s for pretokenized lines; peak RSS stays
+#                                         ~3 MB over the bare imports at 1M-16M tokens
+#                                         (test_smoke.py measures it)
+#   sizes on disk: tokens.bin 4 B/token, loss_mask.bin 1 B/token, offsets.bin 8 B/sample, so a
+#   1B-token corpus of 1M samples is 4 GB + 1 GB + 8 MB, memory-mapped, never read whole

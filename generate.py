@@ -1,19 +1,23 @@
 """
-Greedy speculative decoding with the target and an exported DFlash drafter, run the way a serving engine runs
-it (z-lab/dflash's dflash_generate loop), beside plain greedy decoding of the same target: the real acceptance
-length tau, and a check that both decodes give the same tokens.
+Greedy speculative decoding with the target and an exported DFlash drafter, run the way a serving
+engine runs it (z-lab/dflash's dflash_generate loop), beside plain greedy decoding of the same
+target: the real acceptance length tau, and a check that both decodes give the same tokens.
 
-  python generate.py --drafter out/drafter --max-new-tokens 48         # demo: tiny target, demo held-out prompts
+  # demo: tiny target, demo held-out prompts
+  python generate.py --drafter out/drafter --max-new-tokens 48
   python generate.py --target /ckpt/Qwen3.6-27B --drafter out/drafter --prompts chats.jsonl \\
       --tokenizer /ckpt/Qwen3.6-27B/tokenizer.json --max-new-tokens 512
-  python generate.py --target qwen3.6-27b --drafter random --random-prompts 2 --prompt-len 1024  # GPU cost
+  # GPU cost
+  python generate.py --target qwen3.6-27b --drafter random --random-prompts 2 --prompt-len 1024
 
-One cycle: the drafter proposes B-1 tokens from [last committed token, mask x (B-1)], its context being the
-target features of every position before that token; the target verifies the block in one forward; the longest
-prefix of proposals equal to the target's argmax is accepted, plus the target's own next token (the bonus).
-tau = mean over cycles of (accepted + 1), the accept length SGLang reports and z-lab's benchmark prints.
-No KV cache: every target forward re-runs the whole sequence (prefix + block), and the greedy decode does the
-same per token. Short and obviously right; the cost per forward grows with the context (numbers in README).
+One cycle: the drafter proposes B-1 tokens from [last committed token, mask x (B-1)], its context
+being the target features of every position before that token; the target verifies the block in
+one forward; the longest prefix of proposals equal to the target's argmax is accepted, plus the
+target's own next token (the bonus).
+tau = mean over cycles of (accepted + 1), the accept length SGLang and z-lab's benchmark print.
+No KV cache: every target forward re-runs the whole sequence (prefix + block), and the greedy
+decode does the same per token. Short and obviously right; the cost per forward grows with the
+context (numbers in README).
 """
 import argparse
 import json
@@ -30,8 +34,7 @@ from model import Drafter, DrafterConfig
 # the two decodes (one prompt at a time, ids on the target's device)
 
 def _forward(target, ids, layer_ids, at):
-    # one target forward over the whole sequence: tapped features [T, n_feat*H] and logits [len(at),
-    # vocab]
+    # one target forward over the whole sequence: features [T, n_feat*H], logits [len(at), vocab]
     cu = torch.tensor([0, len(ids)])
     return target.features_and_logits(ids, cu, layer_ids, at=torch.tensor(at, device=ids.device))
 
@@ -46,9 +49,10 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 def speculative(target, drafter, prompt, max_new, eos=()):
-    """Greedy speculative decoding of `prompt` [P]. Returns (new tokens, acc+1 per cycle, target forwards).
-    Cycle k starts at anchor a = the position of the last committed token; the drafter's context is the
-    target features of positions < a (the anchor's own hidden state does not exist before its forward)."""
+    """Greedy speculative decoding of `prompt` [P]. Returns (new tokens, acc+1 per cycle, target
+    forwards). Cycle k starts at anchor a = the position of the last committed token; the
+    drafter's context is the target features of positions < a (the anchor's own hidden state does
+    not exist before its forward)."""
     B, taps, dev = drafter.config.block_size, drafter.config.target_layer_ids, prompt.device
     embed, head = target.embed_tokens.weight, target.lm_head.weight
     P = len(prompt)
@@ -57,50 +61,52 @@ def speculative(target, drafter, prompt, max_new, eos=()):
     seq = torch.cat([prompt, logits.argmax(-1)])
     accepted = []
     while len(seq) - P < max_new and not any(t in eos for t in seq[P:].tolist()):
-        # anchor: the last committed token
-        a = len(seq) - 1
-        # [B-1]
+        a = len(seq) - 1  # anchor: the last committed token
+        # draft [B-1]: the proposals for the block's mask slots
         draft, _ = drafter.propose(ctx, torch.arange(a, device=dev), seq[a], a, embed, head)
         feats, logits = _forward(target, torch.cat([seq, draft]), taps, list(range(a, a + B)))
-        posterior = logits.argmax(-1)          # [B]: the target's next token after each block slot
+        posterior = logits.argmax(-1)  # [B]: the target's next token after each block slot
         # leading proposals the target agrees with
         acc = int((draft == posterior[:-1]).cumprod(0).sum())
         seq = torch.cat([seq, draft[:acc], posterior[acc:acc + 1]])
-        # the anchor and the accepted proposals
-        ctx = torch.cat([ctx, feats[a:a + acc + 1]])
+        ctx = torch.cat([ctx, feats[a:a + acc + 1]])  # the anchor and the accepted proposals
         accepted.append(acc + 1)
     return _finish(seq[P:], max_new, eos), accepted, 1 + len(accepted)
 
 def greedy(target, prompt, max_new, eos=()):
-    """Plain greedy decoding, one target forward over the whole sequence per token. Returns the new tokens."""
+    """Plain greedy decoding, one full-sequence target forward per token. Returns the new tokens."""
     seq = prompt
     for _ in range(max_new):
-        nxt = target.logits(seq, torch.tensor([0, len(seq)]), at=torch.tensor([len(seq) - 1])).argmax(-1)
+        nxt = target.logits(seq, torch.tensor([0, len(seq)]),
+                            at=torch.tensor([len(seq) - 1])).argmax(-1)
         seq = torch.cat([seq, nxt])
         if int(nxt) in eos:
             break
     return seq[len(prompt):].tolist()
 
 def divergence(target, prompt, spec, ref):
-    """None if the two decodes agree; else a line naming the first differing new token and saying whether the
-    target's own top-2 logits there (recomputed on the common prefix) are close enough for rounding to flip."""
+    """None if the two decodes agree; else a line naming the first differing new token and saying
+    whether the target's own top-2 logits there (recomputed on the common prefix) are close enough
+    for rounding to flip."""
     i = next((i for i, (s, r) in enumerate(zip(spec, ref)) if s != r), min(len(spec), len(ref)))
     if i == len(spec) == len(ref):
         return None
     ids = torch.cat([prompt, prompt.new_tensor(ref[:i])])
-    top2 = target.logits(ids, torch.tensor([0, len(ids)]), at=torch.tensor([len(ids) - 1]))[0].topk(2).values
+    top2 = target.logits(ids, torch.tensor([0, len(ids)]),
+                         at=torch.tensor([len(ids) - 1]))[0].topk(2).values
     gap = float(top2[0] - top2[1])
     bf16 = target.embed_tokens.weight.dtype == torch.bfloat16
-    # bf16 keeps 8 significant bits
-    near = gap <= (2 ** -7 if bf16 else 1e-4) * abs(float(top2[0]))
+    near = gap <= (2 ** -7 if bf16 else 1e-4) * abs(float(top2[0]))  # bf16 keeps 8 significant bits
     why = ("a near-tie: a forward over the block and one over the prefix round differently" if near
            else "NOT a near-tie: a bug")
     s, r = (x[i] if i < len(x) else "end" for x in (spec, ref))
-    return f"DIVERGES at new token {i}: spec {s} vs greedy {r}, target's top-2 logit gap there {gap:.3g} ({why})"
+    return (f"DIVERGES at new token {i}: spec {s} vs greedy {r}, "
+            f"target's top-2 logit gap there {gap:.3g} ({why})")
 
 @torch.inference_mode()
 def evaluate(target, drafter, prompts, max_new, eos=(), log=print):
-    """Both decodes on every prompt; one line per prompt and a summary through `log`. Returns the totals."""
+    """Both decodes on every prompt; one line per prompt and a summary through `log`.
+    Returns the totals."""
     dev = target.embed_tokens.weight.device
     B = drafter.config.block_size
     # warm-up, untimed: autotuning, first kernel launches
@@ -119,26 +125,33 @@ def evaluate(target, drafter, prompts, max_new, eos=(), log=print):
         for x in accepted:
             hist[x] += 1
         diff = divergence(target, prompt, spec, ref)
-        for key, value in (("spec_new", len(spec)), ("greedy_new", len(ref)), ("spec_fwd", spec_fwd),
-                           ("spec_s", t1 - t0), ("greedy_s", t2 - t1), ("identical", diff is None)):
+        for key, value in (("spec_new", len(spec)), ("greedy_new", len(ref)),
+                           ("spec_fwd", spec_fwd), ("spec_s", t1 - t0), ("greedy_s", t2 - t1),
+                           ("identical", diff is None)):
             tot[key] += value
         tau = sum(accepted) / max(len(accepted), 1)
-        log(f"prompt {n}: {len(prompt)} tokens -> {len(spec)} new | tau {tau:.2f} over {len(accepted)} cycles | "
-            f"target forwards spec {spec_fwd} greedy {len(ref)} | tok/s spec "
-            f"{len(spec) / (t1 - t0):.1f} greedy {len(ref) / (t2 - t1):.1f} | {diff or 'identical to greedy'}")
+        log(f"prompt {n}: {len(prompt)} tokens -> {len(spec)} new | "
+            f"tau {tau:.2f} over {len(accepted)} cycles | "
+            f"target forwards spec {spec_fwd} greedy {len(ref)} | "
+            f"tok/s spec {len(spec) / (t1 - t0):.1f} greedy {len(ref) / (t2 - t1):.1f} | "
+            f"{diff or 'identical to greedy'}")
     cycles = sum(hist)
-    res = dict(tau=sum(k * c for k, c in enumerate(hist)) / max(cycles, 1), hist=hist[1:], prompts=len(prompts),
-               identical=tot["identical"], new_tokens=tot["spec_new"], spec_forwards=tot["spec_fwd"],
-               greedy_forwards=tot["greedy_new"], spec_tok_s=tot["spec_new"] / tot["spec_s"],
+    res = dict(tau=sum(k * c for k, c in enumerate(hist)) / max(cycles, 1), hist=hist[1:],
+               prompts=len(prompts), identical=tot["identical"], new_tokens=tot["spec_new"],
+               spec_forwards=tot["spec_fwd"], greedy_forwards=tot["greedy_new"],
+               spec_tok_s=tot["spec_new"] / tot["spec_s"],
                greedy_tok_s=tot["greedy_new"] / tot["greedy_s"],
                spec_ms_per_forward=1e3 * tot["spec_s"] / tot["spec_fwd"],
                greedy_ms_per_forward=1e3 * tot["greedy_s"] / max(tot["greedy_new"], 1))
     log(f"total: tau {res['tau']:.3f} (mean accepted+1 over {cycles} cycles of block {B}) | "
-        f"{tot['spec_new']} new tokens | target forwards spec {tot['spec_fwd']} greedy {tot['greedy_new']} | "
+        f"{tot['spec_new']} new tokens | "
+        f"target forwards spec {tot['spec_fwd']} greedy {tot['greedy_new']} | "
         f"tok/s spec {res['spec_tok_s']:.1f} greedy {res['greedy_tok_s']:.1f} "
-        f"(x{res['spec_tok_s'] / res['greedy_tok_s']:.2f}) | ms per target forward: spec "
-        f"{res['spec_ms_per_forward']:.1f} (drafting included) greedy {res['greedy_ms_per_forward']:.1f}")
-    log("accepted+1 per cycle, count of cycles: " + " ".join(f"{k}:{c}" for k, c in enumerate(hist) if k))
+        f"(x{res['spec_tok_s'] / res['greedy_tok_s']:.2f}) | "
+        f"ms per target forward: spec {res['spec_ms_per_forward']:.1f} (drafting included) "
+        f"greedy {res['greedy_ms_per_forward']:.1f}")
+    log("accepted+1 per cycle, count of cycles: "
+        + " ".join(f"{k}:{c}" for k, c in enumerate(hist) if k))
     log(f"speculative == greedy on {tot['identical']}/{len(prompts)} prompts")
     return res
 
@@ -146,11 +159,12 @@ def evaluate(target, drafter, prompts, max_new, eos=(), log=print):
 # prompts
 
 def dataset_prompts(data_dir, n, log=print):
-    """The prompt part (tokens before the first supervised one) of the first n samples of DATA/val."""
+    """The prompts (tokens before the first supervised one) of the first n samples of DATA/val."""
     from data import open_dataset
     val = os.path.join(data_dir, "val")
     if not os.path.exists(os.path.join(val, "meta.json")):
-        raise SystemExit(f"error: --data {data_dir} has no val/ split; prepare it with `data.py prepare --val N` "
+        raise SystemExit(f"error: --data {data_dir} has no val/ split; "
+                         "prepare it with `data.py prepare --val N` "
                          "or pass --prompts chats.jsonl --tokenizer tokenizer.json")
     ds, prompts = open_dataset(val), []
     for i in range(len(ds)):
@@ -165,8 +179,9 @@ def dataset_prompts(data_dir, n, log=print):
     return prompts
 
 def chat_prompts(path, tokenizer, n):
-    """JSONL lines {"messages": [...]}, rendered as `data.py prepare` renders them, a final assistant message
-    (a reference answer) dropped, then the assistant header the model answers after."""
+    """JSONL lines {"messages": [...]}, rendered as `data.py prepare` renders them, a final
+    assistant message (a reference answer) dropped, then the assistant header the model answers
+    after."""
     from data import _chat_encoder
     encode, _ = _chat_encoder(tokenizer)
     empty = {"role": "assistant", "content": ""}
@@ -180,13 +195,13 @@ def chat_prompts(path, tokenizer, n):
                 continue
             try:
                 msgs = json.loads(line)["messages"]
-                ok = len(msgs) > 0 and all(isinstance(m["role"], str) and isinstance(m["content"], str)
-                                           for m in msgs)
+                ok = len(msgs) > 0 and all(isinstance(m["role"], str)
+                                           and isinstance(m["content"], str) for m in msgs)
             except (ValueError, KeyError, TypeError):
                 ok = False
             if not ok:
-                raise SystemExit(f'error: {path}:{lineno}: a line must be {{"messages": [{{"role": str, '
-                                 '"content": str}, ...]}')
+                raise SystemExit(f'error: {path}:{lineno}: a line must be '
+                                 '{"messages": [{"role": str, "content": str}, ...]}')
             if msgs[-1]["role"] == "assistant":
                 msgs = msgs[:-1]
             ids, _ = encode(msgs + [empty])
@@ -194,8 +209,7 @@ def chat_prompts(path, tokenizer, n):
     return prompts
 
 def hf_eos(path):
-    # a checkpoint's end-of-sequence ids: generation_config.json, else config.json (or its
-    # text_config)
+    # a checkpoint's eos ids: generation_config.json, else config.json (or its text_config)
     for name in ("generation_config.json", "config.json"):
         file = os.path.join(path, name)
         if os.path.exists(file):
@@ -209,24 +223,33 @@ def hf_eos(path):
 # -----------------------------------------------------------------------------
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default="tiny", help="HF checkpoint dir of a Qwen3.5/3.6 model, "
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="tiny",
+                    help="HF checkpoint dir of a Qwen3.5/3.6 model, "
                     "or a preset: tiny, qwen3.6-27b (random weights)")
-    ap.add_argument("--drafter", required=True, help="exported drafter dir (train.py's OUT/drafter, "
-                    "z-lab format), or `random` for an untrained drafter of the default geometry (tau before training)")
-    ap.add_argument("--data", default=None, help="prepared dataset dir: prompts from DATA/val (the tokens before "
-                    "each sample's first supervised token); default: the demo data in ./data/demo")
+    ap.add_argument("--drafter", required=True,
+                    help="exported drafter dir (train.py's OUT/drafter, z-lab format), or `random` "
+                    "for an untrained drafter of the default geometry (tau before training)")
+    ap.add_argument("--data", default=None,
+                    help="prepared dataset dir: prompts from DATA/val (the tokens before each "
+                    "sample's first supervised token); default: the demo data in ./data/demo")
     ap.add_argument("--prompts", default=None, help="JSONL of {\"messages\": [...]} chats instead "
                     "(needs --tokenizer)")
     ap.add_argument("--tokenizer", default=None, help="HF tokenizer.json for --prompts")
-    ap.add_argument("--random-prompts", type=int, default=0, help="instead: this many prompts of uniform random "
-                    "token ids (cost measurements)")
+    ap.add_argument("--random-prompts", type=int, default=0,
+                    help="instead: this many prompts of uniform random token ids "
+                    "(cost measurements)")
     ap.add_argument("--prompt-len", type=int, default=1024, help="tokens per random prompt")
-    ap.add_argument("--num-prompts", type=int, default=8, help="prompts taken from --data or --prompts")
-    ap.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated per prompt (both decodes)")
-    ap.add_argument("--eos", default=None, help="comma-separated end-of-sequence token ids; default: the "
+    ap.add_argument("--num-prompts", type=int, default=8,
+                    help="prompts taken from --data or --prompts")
+    ap.add_argument("--max-new-tokens", type=int, default=256,
+                    help="tokens generated per prompt (both decodes)")
+    ap.add_argument("--eos", default=None,
+                    help="comma-separated end-of-sequence token ids; default: the "
                     "checkpoint's generation_config.json/config.json, none for presets")
-    ap.add_argument("--seed", type=int, default=0, help="seed of --random-prompts and of --drafter random")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="seed of --random-prompts and of --drafter random")
     args = ap.parse_args(argv)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -238,20 +261,26 @@ def main(argv=None):
         if args.drafter == "random":      # train.py's default geometry, initialised on the device
             torch.manual_seed(args.seed)
             with torch.device(device):
-                drafter = Drafter(DrafterConfig.from_target(tcfg, n_feat=3 if tcfg.num_hidden_layers < 16 else 5))
+                drafter = Drafter(DrafterConfig.from_target(
+                    tcfg, n_feat=3 if tcfg.num_hidden_layers < 16 else 5))
             drafter = drafter.to(dtype=dtype)
         elif not os.path.exists(os.path.join(args.drafter, "config.json")):
-            raise ValueError(f"--drafter {args.drafter}: no config.json there; pass train.py's OUT/drafter")
+            raise ValueError(f"--drafter {args.drafter}: no config.json there; "
+                             "pass train.py's OUT/drafter")
         else:
             drafter = Drafter.from_pretrained(args.drafter, device=device, dtype=dtype)
     except (ValueError, KeyError, FileNotFoundError) as e:
         sys.exit(f"error: {e}")
     c = drafter.config
-    checks = [(c.hidden_size == tcfg.hidden_size, f"hidden size {c.hidden_size}, target's {tcfg.hidden_size}"),
-              (c.vocab_size == tcfg.vocab_size, f"vocab {c.vocab_size}, target's {tcfg.vocab_size}"),
-              (max(c.target_layer_ids) < tcfg.num_hidden_layers, f"target_layer_ids {c.target_layer_ids} past "
+    checks = [(c.hidden_size == tcfg.hidden_size,
+               f"hidden size {c.hidden_size}, target's {tcfg.hidden_size}"),
+              (c.vocab_size == tcfg.vocab_size,
+               f"vocab {c.vocab_size}, target's {tcfg.vocab_size}"),
+              (max(c.target_layer_ids) < tcfg.num_hidden_layers,
+               f"target_layer_ids {c.target_layer_ids} past "
                f"the target's {tcfg.num_hidden_layers} layers"),
-              (0 <= c.mask_token_id < tcfg.vocab_size, f"mask_token_id {c.mask_token_id} outside the vocab")]
+              (0 <= c.mask_token_id < tcfg.vocab_size,
+               f"mask_token_id {c.mask_token_id} outside the vocab")]
     for ok, msg in checks:
         if not ok:
             sys.exit(f"error: --drafter {args.drafter} does not fit --target {args.target}: {msg}")
@@ -262,7 +291,10 @@ def main(argv=None):
             target = Target.from_pretrained(args.target, device=device, dtype=dtype)
     except (ValueError, KeyError, FileNotFoundError) as e:
         sys.exit(f"error: --target {args.target}: {e}")
-    eos = [int(x) for x in args.eos.split(",")] if args.eos else ([] if preset else hf_eos(args.target))
+    if args.eos:
+        eos = [int(x) for x in args.eos.split(",")]
+    else:
+        eos = [] if preset else hf_eos(args.target)
 
     if args.random_prompts:
         g = torch.Generator().manual_seed(args.seed)
@@ -270,18 +302,21 @@ def main(argv=None):
                    for _ in range(args.random_prompts)]
     elif args.prompts:
         if not args.tokenizer:
-            sys.exit("error: --prompts needs --tokenizer tokenizer.json (the chats are rendered to token ids)")
+            sys.exit("error: --prompts needs --tokenizer tokenizer.json "
+                     "(the chats are rendered to token ids)")
         prompts = chat_prompts(args.prompts, args.tokenizer, args.num_prompts)
     else:
-        data_dir = args.data or os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "demo")
+        data_dir = args.data or os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                             "data", "demo")
         prompts = dataset_prompts(data_dir, args.num_prompts)
     if not prompts:
         sys.exit("error: no prompts (empty --prompts file or val split)")
     bad = [i for i, p in enumerate(prompts) if int(p.max()) >= tcfg.vocab_size]
     if bad:
-        sys.exit(f"error: prompt {bad[0]} has token ids past the target's vocab ({tcfg.vocab_size}): "
-                 "wrong tokenizer or dataset for this target")
-    print(f"target {args.target} on {device} ({dtype}) | drafter {args.drafter}: {c.num_hidden_layers} layers, "
+        sys.exit(f"error: prompt {bad[0]} has token ids past the target's vocab "
+                 f"({tcfg.vocab_size}): wrong tokenizer or dataset for this target")
+    print(f"target {args.target} on {device} ({dtype}) | "
+          f"drafter {args.drafter}: {c.num_hidden_layers} layers, "
           f"block {c.block_size}, mask token {c.mask_token_id}, taps {c.target_layer_ids} | "
           f"{len(prompts)} prompts, {args.max_new_tokens} new tokens each, eos {eos or 'none'}")
     evaluate(target, drafter, [p.to(device) for p in prompts], args.max_new_tokens, set(eos))
