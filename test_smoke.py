@@ -1,7 +1,9 @@
 """
 CPU tests, each module against an independent reference, seconds each: the target against transformers'
 Qwen3.5 and a per-token delta-rule recurrence, checkpoint loading, the drafter's mask, loss and export
-against brute force and hand-worked cases, data.py's format and packer. train.py end to end: test_train.py.
+against brute force and hand-worked cases, data.py's format and packer, the published drafters' layouts
+(sliding windows, RoPE scaling, the z-lab config), generate.py's speculative decoding against greedy.
+train.py and generate.py end to end: test_train.py.
 Run: python -m pytest -q test_smoke.py test_train.py
 Nothing here needs a GPU or the network; transformers/tokenizers are test-only dependencies.
 """
@@ -12,6 +14,7 @@ import json
 import math
 import os
 import random
+import shutil
 import subprocess
 import sys
 
@@ -24,17 +27,22 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 from torch.nn.attention.flex_attention import create_block_mask
 from torch.utils.flop_counter import FlopCounterMode
+from transformers import Qwen3Config
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 import data
+import generate
 import model
 from data import DataError, Packer, open_dataset, write_dataset
-from model import (Drafter, DrafterConfig, anchor_blocks, anchor_mask_mod, default_target_layer_ids,
+from model import (FULL, SLIDING, Drafter, DrafterConfig, anchor_blocks, anchor_mask_mod, block_lists,
+                   config_from_json, default_target_layer_ids, drafter_rope, flex_matches_dense, rope_inv_freq,
                    sample_anchors)
 from target import (Target, TargetConfig, positions_from_cu, rope_cos_sin,
                     torch_chunk_gated_delta_rule)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-LIN, FULL = "linear_attention", "full_attention"
+LIN = "linear_attention"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -659,6 +667,10 @@ def test_anchor_mask_matches_brute_force(B, N, seed):
     mm(0, 0, torch.arange(N * B + 2 * B)[:, None], torch.arange(S + N * B + 128)[None, :])
 
 
+BLOCK_LISTS = ["kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices",
+               "full_q_num_blocks", "full_q_indices"]   # a BlockMask's 8 lists, in anchor_blocks' order
+
+
 @pytest.mark.parametrize("S,N,B,docs,p", [(8192, 512, 16, 4, 0.7), (700, 40, 16, 3, 0.9), (300, 37, 5, 2, 0.5),
                                           (515, 64, 8, 5, 0.05), (129, 9, 16, 1, 1.0)])
 def test_anchor_blocks_match_create_block_mask(S, N, B, docs, p):
@@ -673,9 +685,7 @@ def test_anchor_blocks_match_create_block_mask(S, N, B, docs, p):
     anchors, keep, _ = sample_anchors(lm, doc, S, N)
     got = anchor_blocks(anchors, keep, doc, S, B)
     ref = create_block_mask(anchor_mask_mod(anchors, keep, doc, S, B), None, None, N * B, S + N * B, device="cpu")
-    names = ["kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices",
-             "full_q_num_blocks", "full_q_indices"]
-    for name, g_ in zip(names, got):
+    for name, g_ in zip(BLOCK_LISTS, got):
         r = getattr(ref, name)
         # strides too: the compiled flex backward reads the lists as laid out by create_block_mask
         assert g_.shape == r.shape and g_.dtype == r.dtype and g_.stride() == r.stride(), name
@@ -686,7 +696,7 @@ def test_anchor_blocks_match_create_block_mask(S, N, B, docs, p):
     doc = doc_of(torch.tensor([0, 256, 400]))
     anchors, keep = torch.tensor([128] * 8 + [256] * 7 + [0]), torch.tensor([True] * 15 + [False])
     ref = create_block_mask(anchor_mask_mod(anchors, keep, doc, 400, 16), None, None, 256, 656, device="cpu")
-    for name, g_ in zip(names, anchor_blocks(anchors, keep, doc, 400, 16)):
+    for name, g_ in zip(BLOCK_LISTS, anchor_blocks(anchors, keep, doc, 400, 16)):
         assert torch.equal(g_, getattr(ref, name)) and g_.stride() == getattr(ref, name).stride(), name
 
 # -----------------------------------------------------------------------------
@@ -1640,3 +1650,551 @@ def test_demo_is_the_targets_greedy_output(tmp_path):
     with pytest.raises(DataError, match="already exists"):  # a different demo is not silently overwritten
         data.make_demo(tmp_path / "demo", samples=11, val_samples=3, new_tokens=20, seed=0)
 
+
+
+# ==================================================================================================
+# drafter layouts of the published drafters: sliding-window layers, RoPE scaling, the z-lab config
+
+# -----------------------------------------------------------------------------
+# the sliding mask == a per-token definition written from the serving engines' rule
+
+def brute_sliding_mask(anchors, keep, doc, pos, S, B, W):
+    """Per token, from the engines' rule (SGLang window_left = W-1, vLLM flash-attn window (W-1, 0), SpecForge
+    create_dflash_sdpa_mask): the query of block j slot k sits at position q = pos[a_j] + k. Context key t is
+    seen iff t is before the anchor in its document and, in a sliding layer (W > 0), q - pos[t] < W. Block key
+    i (at position pos[a_j] + i) is seen in a full layer always, in a sliding one iff i <= k and k - i < W.
+    Padded slots (keep False) see nothing."""
+    N = len(anchors)
+    out = torch.zeros(N * B, S + N * B, dtype=torch.bool)
+    for j, a in enumerate(anchors):
+        if not keep[j]:
+            continue
+        for k in range(B):
+            q = pos[a] + k
+            for t in range(S):
+                out[j * B + k, t] = t < a and doc[t] == doc[a] and (W == 0 or q - pos[t] < W)
+            for i in range(B):
+                out[j * B + k, S + j * B + i] = W == 0 or (i <= k and k - i < W)
+    return out
+
+
+@pytest.mark.parametrize("W", [1, 3, 9, 16, 25, 1000])
+@pytest.mark.parametrize("B", [4, 16])
+def test_sliding_mask_matches_per_token_definition(W, B):
+    rng = random.Random(W * 31 + B)
+    lens = [rng.randint(5, 40) for _ in range(3)]
+    cu = cu_of(lens)
+    doc, pos = doc_of(cu), positions_from_cu(cu)
+    S = int(cu[-1])
+    starts = cu[:-1].tolist()
+    anchors = sorted(set(rng.sample(range(S), 8)) | set(starts) | {S - 1})   # document starts, the row's end
+    N = len(anchors) + 2
+    anchors, keep = anchors + [0, 0], [True] * (N - 2) + [False, False]         # padded slots last
+    got = anchor_mask_mod(torch.tensor(anchors), torch.tensor(keep), doc, S, B, W)(
+        0, 0, torch.arange(N * B)[:, None], torch.arange(S + N * B)[None, :])
+    ref = brute_sliding_mask(anchors, keep, doc.tolist(), pos.tolist(), S, B, W)
+    assert torch.equal(got, ref), f"{(got != ref).sum().item()} cells differ"
+    # the window binds (shorter than some context) or not (longer than every context), as parametrized
+    full = brute_sliding_mask(anchors, keep, doc.tolist(), pos.tolist(), S, B, 0)
+    assert (ref & ~full).sum() == 0
+    assert (ref != full).any()                             # block causality at least
+    if W < max(lens) - B:
+        assert (ref[:, :S] != full[:, :S]).any()           # and the window cut some context
+    if W >= max(lens) + B:
+        assert torch.equal(ref[:, :S], full[:, :S])
+    # flex also evaluates padded tiles past Q_LEN / KV_LEN: no out-of-range indexing there
+    anchor_mask_mod(torch.tensor(anchors), torch.tensor(keep), doc, S, B, W)(
+        0, 0, torch.arange(N * B + 2 * B)[:, None], torch.arange(S + N * B + 128)[None, :])
+
+
+def check_window_blocks(anchors, keep, doc, S, B, W):
+    """anchor_blocks with window W == create_block_mask over the windowed mask_mod, all 8 lists."""
+    N = len(anchors)
+    got = anchor_blocks(anchors, keep, doc, S, B, W)
+    ref = create_block_mask(anchor_mask_mod(anchors, keep, doc, S, B, W), None, None, N * B, S + N * B,
+                            device="cpu")
+    for name, g in zip(BLOCK_LISTS, got):
+        r = getattr(ref, name)
+        # strides too: the compiled flex backward reads the lists as laid out by create_block_mask
+        assert g.shape == r.shape and g.dtype == r.dtype and g.stride() == r.stride() and torch.equal(g, r), name
+    return got
+
+
+@pytest.mark.parametrize("S,N,B,docs,W", [(8192, 512, 16, 4, 2048), (8192, 512, 16, 4, 300), (700, 40, 16, 3, 1),
+                                          (700, 40, 16, 3, 127), (700, 40, 16, 3, 129), (300, 37, 5, 2, 64),
+                                          (515, 64, 8, 5, 10000), (129, 9, 16, 1, 8)])
+def test_sliding_anchor_blocks_match_create_block_mask(S, N, B, docs, W):
+    g = torch.Generator().manual_seed(S + W)
+    cuts = torch.randperm(S - 1, generator=g)[:docs - 1] + 1
+    doc = (torch.arange(S)[:, None] >= cuts[None, :]).sum(1)
+    starts = [0] + sorted(cuts.tolist())
+    picked = torch.randperm(S, generator=g)[:N - 4].tolist() + starts[:2]       # some at document starts
+    anchors = torch.tensor(sorted(picked) + [0] * (N - len(picked)))
+    keep = torch.arange(N) < len(picked)
+    got = check_window_blocks(anchors, keep, doc, S, B, W)
+    if S == 8192:   # the real shape has both kinds of tile, so both branches were exercised
+        assert got[0].sum() > 0 and got[2].sum() > 0
+    # by hand: a window starting exactly on a tile edge (anchor 300, W - 1 = 172 -> 128) and one past a document start
+    doc = (torch.arange(400) >= 256).long()
+    anchors, keep = torch.tensor([300] * 8 + [258] * 7 + [0]), torch.tensor([True] * 15 + [False])
+    check_window_blocks(anchors, keep, doc, 400, 16, 173)
+
+
+# -----------------------------------------------------------------------------
+# RoPE: default, linear and YaRN == transformers' own rope functions and rotary embedding
+
+ROPES = [None, {"rope_type": "linear", "factor": 2.5}, {"type": "linear", "factor": 4.0},
+         {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096},
+         {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 2048, "beta_fast": 16,
+          "beta_slow": 2, "truncate": False},
+         {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 8192, "mscale": 0.707,
+          "mscale_all_dim": 1.0},
+         {"rope_type": "yarn", "factor": 4.0, "attention_factor": 1.3},
+         {"rope_type": "yarn", "factor": 0.5, "original_max_position_embeddings": 4096}]
+
+
+def hf_qwen3_config(c):
+    """transformers' Qwen3Config of a drafter config's attention and RoPE fields."""
+    rope = dict(c.rope_scaling or {"rope_type": "default"})
+    rope.setdefault("rope_type", rope.pop("type", "default"))
+    return Qwen3Config(hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads, head_dim=c.head_dim,
+                       max_position_embeddings=c.max_position_embeddings,
+                       rope_parameters={**rope, "rope_theta": c.rope_theta})
+
+
+@pytest.mark.parametrize("rope", ROPES)
+@pytest.mark.parametrize("head_dim,theta", [(128, 1e7), (16, 1e4)])
+def test_rope_matches_transformers(rope, head_dim, theta):
+    c = DrafterConfig(hidden_size=256, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=head_dim, rope_theta=theta, max_position_embeddings=32768,
+                      rope_scaling=rope)
+    hf = hf_qwen3_config(c)
+    kind = hf.rope_parameters["rope_type"]
+    ref_inv, ref_scale = ROPE_INIT_FUNCTIONS[kind](hf, "cpu") if kind != "default" else (None, 1.0)
+    inv, scale = rope_inv_freq(c)
+    if ref_inv is not None:
+        assert torch.allclose(inv, ref_inv, rtol=1e-6, atol=0) and scale == pytest.approx(ref_scale, rel=1e-12)
+    # the whole table: HF's rotary embedding multiplies cos and sin by the attention factor
+    pos = torch.tensor([0, 1, 7, 100, 2047, 4096, 30000])
+    cos, sin = Qwen3RotaryEmbedding(hf)(torch.zeros(1, 1, dtype=torch.float32), pos[None])
+    ours = drafter_rope(pos, c)
+    assert rel_err(ours[0], cos[0]) < 1e-5 and rel_err(ours[1], sin[0]) < 1e-5
+    if rope and "factor" in rope and rope["factor"] > 1:      # scaling really changes something
+        plain = drafter_rope(pos, DrafterConfig(head_dim=head_dim, rope_theta=theta))
+        assert rel_err(ours[1], plain[1]) > 1e-3
+
+
+# -----------------------------------------------------------------------------
+# a mixed layout with YaRN: training forward == propose == an independent reference
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+
+
+@pytest.fixture(scope="module")
+def mixed():
+    """The tiny target, two random 3-layer drafters [sliding, full, sliding] with YaRN (windows 5 and 20),
+    and one packed row of three documents."""
+    t = tiny_target()
+    out = []
+    for W in (5, 20):          # shorter than the block (the window also cuts block keys) and longer
+        base = DrafterConfig.from_target(t.config, n_feat=3, num_hidden_layers=3)
+        cfg = DrafterConfig(**{**vars(base), "layer_types": [SLIDING, FULL, SLIDING], "sliding_window": W,
+                               "use_sliding_window": True, "rope_scaling": YARN})
+        out.append(randomize_drafter_(Drafter(cfg), W))
+    cu = cu_of([14, 37, 9])
+    tokens = torch.randint(0, 511, (int(cu[-1]),), generator=torch.Generator().manual_seed(0))
+    feats = t.features(tokens, cu, out[0].config.target_layer_ids).clone()
+    return t, out, dict(cu=cu, doc=doc_of(cu), pos=positions_from_cu(cu), tokens=tokens, feats=feats)
+
+
+def test_mixed_layout_train_serve_equivalence(mixed, monkeypatch):
+    t, drafters, r = mixed
+    S = len(r["tokens"])
+    anchors = torch.tensor(list(range(S)) + [0, 0])             # every position (document starts too), 2 padded
+    keep = torch.arange(S + 2) < S
+    row = dict(r, loss_mask=torch.ones(S, dtype=torch.long), anchors=anchors, keep=keep)
+    head = t.lm_head.weight
+    for d in drafters:
+        h = train_h(monkeypatch, d, t, row)
+        for a in range(S):
+            s = max(x for x in r["cu"][:-1].tolist() if x <= a)
+            _, logits = d.propose(r["feats"][s:a], r["pos"][s:a], int(r["tokens"][a]), int(r["pos"][a]),
+                                  t.embed_tokens.weight, head)
+            assert rel_err((h[a, 1:] @ head.T).float(), logits) < 1e-4, (d.config.sliding_window, a)
+
+
+def ref_propose_layered_logits(d, ctx_feats, ctx_pos, anchor_token, anchor_pos, embed, head):
+    """Independent fp32 reference of one drafting step with per-layer kinds: RoPE tables from transformers'
+    Qwen3RotaryEmbedding (the config's rope_scaling), a sliding layer's query at position q sees key p iff
+    q - (W-1) <= p <= q (loops), a full layer sees every key."""
+    c = d.config
+    B, nh, nkv, hd, W = c.block_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.sliding_window
+    rms = lambda x, w: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps) * w
+    rotary = Qwen3RotaryEmbedding(hf_qwen3_config(c))
+
+    def rope(x, p):
+        cos, sin = rotary(x, p[None])
+        x1, x2 = x[..., :hd // 2], x[..., hd // 2:]
+        return x * cos[0][:, None] + torch.cat([-x2, x1], -1) * sin[0][:, None]
+
+    bpos = anchor_pos + torch.arange(B)
+    kpos = torch.cat([ctx_pos, bpos])
+    sees = {FULL: torch.ones(B, len(kpos), dtype=torch.bool),
+            SLIDING: torch.tensor([[q - (W - 1) <= p <= q for p in kpos.tolist()] for q in bpos.tolist()])}
+    ctx = rms(ctx_feats @ d.fc.weight.T, d.hidden_norm.weight)
+    h = embed[torch.tensor([anchor_token] + [c.mask_token_id] * (B - 1))]
+    for L, kind in zip(d.layers, c.layer_types):
+        a = L.self_attn
+        x = rms(h, L.input_layernorm.weight)
+        kvin = torch.cat([ctx, x])
+        q = rope(rms((x @ a.q_proj.weight.T).view(B, nh, hd), a.q_norm.weight), bpos)
+        k = rope(rms((kvin @ a.k_proj.weight.T).view(-1, nkv, hd), a.k_norm.weight), kpos)
+        v = (kvin @ a.v_proj.weight.T).view(-1, nkv, hd)
+        k, v = k.repeat_interleave(nh // nkv, 1), v.repeat_interleave(nh // nkv, 1)
+        s = torch.einsum("qhd,khd->hqk", q, k) * hd ** -0.5
+        p = s.masked_fill(~sees[kind], -float("inf")).softmax(-1)
+        h = h + torch.einsum("hqk,khd->qhd", p, v).reshape(B, nh * hd) @ a.o_proj.weight.T
+        y = rms(h, L.post_attention_layernorm.weight)
+        h = h + (F.silu(y @ L.mlp.gate_proj.weight.T) * (y @ L.mlp.up_proj.weight.T)) @ L.mlp.down_proj.weight.T
+    return rms(h, d.norm.weight)[1:] @ head.T
+
+
+def test_mixed_layout_propose_matches_reference(mixed):
+    t, drafters, r = mixed
+    embed, head = t.embed_tokens.weight, t.lm_head.weight
+    for d in drafters:
+        for a in (14, 20, 40, 50, 51):       # a document start (empty context) and contexts past the window
+            s = max(x for x in r["cu"][:-1].tolist() if x <= a)
+            args = (r["feats"][s:a], r["pos"][s:a], int(r["tokens"][a]), int(r["pos"][a]), embed, head)
+            logits = d.propose(*args)[1]
+            assert rel_err(logits, ref_propose_layered_logits(d, *args)) < 1e-4, (d.config.sliding_window, a)
+    # the layout matters: the same weights as all full layers, or with plain RoPE, give other logits
+    d = drafters[0]
+    args = (r["feats"][14:45], r["pos"][14:45], int(r["tokens"][45]), int(r["pos"][45]), embed, head)
+    for other in (dict(layer_types=[FULL] * 3), dict(rope_scaling=None)):
+        e = Drafter(DrafterConfig(**{**vars(d.config), **other}))
+        e.load_state_dict(d.state_dict())
+        assert rel_err(e.propose(*args)[1], d.propose(*args)[1]) > 1e-2, other
+
+
+# -----------------------------------------------------------------------------
+# layouts: defaults, the published config read (in and out through train.py: test_train.py), errors
+
+# SpecForge configs/qwen3.6-27b-dflash.json (b9c2860c), the public copy of z-lab/Qwen3.6-27B-DFlash's config
+PUBLISHED = {
+    "architectures": ["DFlashDraftModel"], "attention_bias": False, "attention_dropout": 0.0,
+    "auto_map": {"AutoModel": "dflash.DFlashDraftModel"}, "block_size": 16, "bos_token_id": None,
+    "dflash_config": {"mask_token_id": 248070, "target_layer_ids": [1, 16, 31, 46, 61]},
+    "dtype": "bfloat16", "eos_token_id": 248044, "head_dim": 128, "hidden_act": "silu", "hidden_size": 5120,
+    "initializer_range": 0.02, "intermediate_size": 17408,
+    "layer_types": [SLIDING, SLIDING, SLIDING, SLIDING, FULL],
+    "max_position_embeddings": 262144, "max_window_layers": 5, "model_type": "qwen3", "num_attention_heads": 32,
+    "num_hidden_layers": 5, "num_key_value_heads": 8, "num_target_layers": 64, "pad_token_id": 248044,
+    "rms_norm_eps": 1e-06, "sliding_window": 2048, "tie_word_embeddings": False, "transformers_version": "5.5.3",
+    "use_cache": True, "use_sliding_window": True, "vocab_size": 248320, "rope_theta": 10000000, "rope_scaling": None}
+
+
+def test_default_layouts():
+    c = DrafterConfig.from_target(TargetConfig.preset("qwen3.6-27b"))
+    assert c == config_from_json(PUBLISHED)                  # the published drafter, field for field
+    assert DrafterConfig.from_target(TargetConfig.preset("qwen3.6-27b"), sliding_window=0).layer_types == [FULL] * 5
+    assert DrafterConfig.from_target(TargetConfig.preset("tiny")).layer_types == [FULL] * 5
+    tiny = DrafterConfig.from_target(TargetConfig.preset("tiny"), sliding_window=64, num_hidden_layers=3)
+    assert (tiny.layer_types, tiny.sliding_window, tiny.use_sliding_window) == ([SLIDING, SLIDING, FULL], 64, True)
+    assert c.windows() == {FULL: 0, SLIDING: 2048} and tiny.windows() == {FULL: 0, SLIDING: 64}
+
+
+def write_published_tiny(path, rope_scaling, seed=0, **fields):
+    """The published config's schema and key set with the tiny target's dimensions, and random weights."""
+    t = TargetConfig.preset("tiny")
+    cfg = dict(PUBLISHED, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, num_target_layers=t.num_hidden_layers, vocab_size=t.vocab_size,
+               dflash_config={"mask_token_id": 511, "target_layer_ids": [1, 3, 5]}, sliding_window=48,
+               max_position_embeddings=t.max_position_embeddings, rope_scaling=rope_scaling)
+    cfg.update(fields)
+    d = Drafter(config_from_json(cfg))
+    torch.manual_seed(seed)
+    d.save_pretrained(str(path))                        # the weights, in the format z-lab ships
+    with open(path / "config.json", "w") as f:
+        json.dump(cfg, f)                                # and the published config file itself
+    return cfg
+
+
+def test_rope_parameters_spelling_reads_the_same():
+    t = TargetConfig.preset("tiny")
+    base = dict(PUBLISHED, hidden_size=t.hidden_size, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    del base["rope_theta"], base["rope_scaling"]
+    v4 = config_from_json({**base, "rope_theta": 5e5, "rope_scaling": YARN})
+    v5 = config_from_json({**base, "rope_parameters": {"rope_theta": 5e5, **YARN}})
+    plain = config_from_json({**base, "rope_parameters": {"rope_theta": 5e5, "rope_type": "default"}})
+    assert v4 == v5 and v4.rope_scaling == YARN and v4.rope_theta == 5e5
+    assert plain.rope_scaling is None and plain.rope_theta == 5e5
+
+
+def test_layer_types_absent_follow_qwen3config():
+    # old-style configs derive layer_types from use_sliding_window / max_window_layers, as HF Qwen3Config does
+    base = {k: v for k, v in PUBLISHED.items() if k != "layer_types"}
+    for use, first in ((True, 2), (False, 2), (True, 0), (True, 5)):
+        cfg = dict(base, use_sliding_window=use, max_window_layers=first, sliding_window=64)
+        hf = Qwen3Config(num_hidden_layers=5, use_sliding_window=use, max_window_layers=first, sliding_window=64)
+        c = config_from_json(cfg)
+        assert c.layer_types == hf.layer_types, (use, first)
+
+
+BAD_LAYOUTS = [
+    (dict(layer_types=[SLIDING, "chunked_attention", SLIDING, SLIDING, FULL]), "layer_types: 'chunked_attention'"),
+    (dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "rope_type 'dynamic' is not supported"),
+    (dict(rope_scaling={"rope_type": "longrope", "factor": 2.0}), "rope_type 'longrope' is not supported"),
+    (dict(rope_scaling={"rope_type": "yarn"}), "yarn needs a positive factor"),
+    (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
+    (dict(attention_bias=True), "attention_bias true"),
+    (dict(use_sliding_window=False), "use_sliding_window is false"),
+    (dict(sliding_window=None), "sliding_window None"),
+    (dict(is_causal=False), "is_causal / dflash_config.causal False"),
+    (dict(partial_rotary_factor=0.5), "partial_rotary_factor 0.5"),
+]
+
+
+@pytest.mark.parametrize("fields,msg", BAD_LAYOUTS, ids=[m.split()[0] for _, m in BAD_LAYOUTS])
+def test_unsupported_field_is_an_error(tmp_path, fields, msg):
+    path = tmp_path / "d"
+    cfg = write_published_tiny(path, None)
+    cfg.update(fields)
+    with open(path / "config.json", "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(ValueError, match=msg.replace("(", r"\(")):
+        Drafter.from_pretrained(str(path))
+
+
+# -----------------------------------------------------------------------------
+# the start-up self-check: its dense half and comparison on CPU (flex itself only runs on GPU)
+
+def probe_config(**kw):
+    return DrafterConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, layer_types=[SLIDING, SLIDING, FULL],
+                         sliding_window=2048, rope_scaling=YARN, **kw)
+
+
+def test_self_check_plumbing():
+    dense = lambda d, inputs: d(*inputs)
+    loss_err, grad_err, seconds = flex_matches_dense(probe_config(), "cpu", candidate=dense)
+    assert loss_err == 0.0 and grad_err == 0.0 and seconds > 0
+    rng = torch.get_rng_state()
+    # a step that gets the window wrong by one token, or ignores it, fails the check
+    def wrong(delta):
+        def run(d, inputs):
+            c = d.config
+            d.config = DrafterConfig(**{**vars(c), "layer_types": [FULL] * 2} if delta is None else
+                                     {**vars(c), "sliding_window": c.sliding_window + delta})
+            try:
+                return d(*inputs)
+            finally:
+                d.config = c
+        return run
+    for delta in (1, None):
+        loss_err, grad_err, _ = flex_matches_dense(probe_config(), "cpu", candidate=wrong(delta))
+        assert grad_err > 1e-3, (delta, loss_err, grad_err)
+    assert torch.equal(torch.get_rng_state(), rng)                  # the caller's random stream is untouched
+
+
+def test_block_lists_per_kind():
+    c = probe_config()
+    doc = doc_of(cu_of([300, 212]))
+    anchors, keep = torch.tensor([5, 100, 299, 300, 450, 0]), torch.tensor([True] * 5 + [False])
+    got = block_lists(c, anchors, keep, doc, 512)
+    assert set(got) == {FULL, SLIDING}
+    for kind, w in ((FULL, 0), (SLIDING, 2048)):
+        assert all(torch.equal(a, b) for a, b in zip(got[kind], anchor_blocks(anchors, keep, doc, 512, 16, w)))
+
+
+# ==================================================================================================
+# generate.py: greedy speculative decoding with the tiny target and a drafter trained here on the demo
+# prompts (its command line, and train.py --generate-prompts: test_train.py)
+
+MAX_NEW = 32
+
+
+class GenerateRun:
+    """The tiny target, 8 demo held-out prompts and, per prompt, the target's greedy continuation of
+    MAX_NEW + B - 1 tokens (so every slot of every block of the speculative run has a label)."""
+    def __init__(self, tmp):
+        self.demo = data.make_demo(os.path.join(HERE, "data", "demo"), log=lambda *a: None)
+        self.t = tiny_target()
+        self.prompts = generate.dataset_prompts(self.demo, 8)
+        self.B = 16
+        self.cont = [generate.greedy(self.t, p, MAX_NEW + self.B - 1) for p in self.prompts]
+        self.drafter_dir = os.path.join(tmp, "drafter")
+        train_drafter(self, self.drafter_dir)
+        self.drafter = Drafter.from_pretrained(self.drafter_dir)      # the export, as a user loads it
+
+
+def train_drafter(run, out, steps=90):
+    """A 2-layer drafter trained with Drafter.forward on the prompts' greedy continuations (the DFlash recipe at
+    toy scale, overfit to these prompts so a short run reaches tau well above 1), then exported."""
+    t, seqs = run.t, [torch.cat([p, torch.tensor(c)]) for p, c in zip(run.prompts, run.cont)]
+    cu = cu_of([len(s) for s in seqs])
+    tokens, pos, doc = torch.cat(seqs), positions_from_cu(cu), doc_of(cu)
+    loss_mask = torch.cat([(torch.arange(len(s)) >= len(p)).long() for s, p in zip(seqs, run.prompts)])
+    cfg = DrafterConfig.from_target(t.config, n_feat=3, num_hidden_layers=2, block_size=run.B)
+    feats = t.features(tokens, cu, cfg.target_layer_ids).clone()
+    torch.manual_seed(0)
+    d = Drafter(cfg)
+    opt = torch.optim.AdamW(d.parameters(), lr=3e-3)
+    for _ in range(steps):
+        anchors, keep, _ = sample_anchors(loss_mask, doc, 48, 96)
+        out_ = d(feats, tokens, loss_mask, doc, pos, anchors, keep, t.embed_tokens.weight, t.lm_head.weight)
+        out_["loss"].backward()
+        opt.step()
+        opt.zero_grad()
+    d.save_pretrained(out)
+
+
+@pytest.fixture(scope="module")
+def gen(tmp_path_factory):
+    return GenerateRun(str(tmp_path_factory.mktemp("gen")))
+
+
+def proxy_at(d, t, prompt, cont, anchor):
+    """The training-time acceptance proxy (Drafter.forward's accept_sum) at one anchor of the row
+    [prompt ; the target's greedy continuation], loss mask on the continuation."""
+    tokens = torch.cat([prompt, torch.tensor(cont)])
+    S = len(tokens)
+    feats = t.features(tokens, torch.tensor([0, S]), d.config.target_layer_ids)
+    loss_mask = (torch.arange(S) >= len(prompt)).long()
+    with torch.no_grad():
+        out = d(feats, tokens, loss_mask, torch.zeros(S, dtype=torch.long), torch.arange(S),
+                torch.tensor([anchor]), torch.tensor([True]), t.embed_tokens.weight, t.lm_head.weight)
+    return int(out["accept_sum"])
+
+
+class Scripted:
+    """A stand-in drafter with a fixed rule for its proposals (it has the real drafter's config)."""
+    def __init__(self, config, rule):
+        self.config, self.rule = config, rule
+
+    def propose(self, ctx_feats, ctx_pos, anchor_token, anchor_pos, embed, head):
+        assert ctx_feats.shape[0] == len(ctx_pos) == anchor_pos       # context: exactly the positions before
+        return torch.tensor(self.rule(anchor_pos)), None
+
+
+def test_features_and_logits_is_features_plus_logits():
+    t = tiny_target()
+    ids, cu = torch.randint(0, 512, (37,)), torch.tensor([0, 20, 37])
+    at = torch.tensor([5, 19, 36])
+    feats, logits = t.features_and_logits(ids, cu, [1, 3, 5], at=at)
+    assert torch.equal(feats, t.features(ids, cu, [1, 3, 5]))
+    assert torch.equal(logits, t.logits(ids, cu, at=at))
+
+
+def test_prompts_are_the_unsupervised_prefix(gen):
+    ds = data.open_dataset(os.path.join(gen.demo, "val"))
+    for i, p in enumerate(gen.prompts):
+        tokens, mask = ds.sample(i)
+        assert torch.equal(p, torch.from_numpy(tokens[:len(p)].astype("int64")))
+        assert mask[:len(p)].sum() == 0 and mask[len(p)] == 1
+        # the demo is the target's greedy continuation: the greedy decode must reproduce the sample exactly
+        n = min(len(gen.cont[i]), len(tokens) - len(p))
+        assert n >= MAX_NEW and gen.cont[i][:n] == tokens[len(p):len(p) + n].tolist()
+
+
+def test_speculative_equals_greedy_and_tau_is_the_proxy(gen):
+    """Exact correspondence: let x = prompt + the target's greedy continuation (long enough that every block has
+    labels), a_1 = len(prompt) (the prefill's token), a_{k+1} = a_k + tau_k. Then tau_k (accepted + 1 of cycle
+    k) == the teacher-forced proxy of Drafter.forward at anchor a_k on row x: the drafter sees the same inputs
+    (features of x[:a_k], the token x[a_k] at position a_k) and, as long as its proposals match, the target's
+    verifying argmax at slot i is x[a_k + i + 1]. Equality is exact here (fp32; no argmax near-ties)."""
+    d = gen.drafter
+    all_cycles = []
+    for p, cont in zip(gen.prompts, gen.cont):
+        spec, cycles, forwards = generate.speculative(gen.t, d, p, MAX_NEW)
+        assert spec == cont[:MAX_NEW] and forwards == 1 + len(cycles)
+        anchors = [len(p) + sum(cycles[:k]) for k in range(len(cycles))]
+        assert [proxy_at(d, gen.t, p, cont, a) for a in anchors] == cycles
+        assert sum(cycles[:-1]) < MAX_NEW - 1 <= sum(cycles)        # stopped right after max_new was reached
+        all_cycles += cycles
+    tau = sum(all_cycles) / len(all_cycles)
+    print(f"trained drafter: tau {tau:.2f} over {len(all_cycles)} cycles, values {sorted(set(all_cycles))}")
+    assert tau > 2 and len(set(all_cycles)) >= 4        # a nontrivial mix of cycle lengths
+
+
+def test_oracle_drafter_fills_every_block(gen):
+    """A drafter that proposes the target's own greedy tokens: every cycle accepts all B-1 plus the bonus."""
+    B, t = gen.B, gen.t
+    for p, cont in list(zip(gen.prompts, gen.cont))[:3]:
+        oracle = Scripted(gen.drafter.config, lambda a: cont[a - len(p) + 1:a - len(p) + B])
+        spec, cycles, forwards = generate.speculative(t, oracle, p, MAX_NEW)
+        assert spec == cont[:MAX_NEW] and cycles == [B] * -(-(MAX_NEW - 1) // B) and forwards == 1 + len(cycles)
+
+
+def test_mask_token_drafter_gives_tau_1(gen):
+    """A drafter that always proposes the mask token (as an untrained or mis-wired one can): nothing is ever
+    accepted, so every target forward commits exactly one token, and the output is still the greedy one."""
+    c = gen.drafter.config
+    lazy = Scripted(c, lambda a: [c.mask_token_id] * (c.block_size - 1))
+    for p, cont in list(zip(gen.prompts, gen.cont))[:3]:
+        assert c.mask_token_id not in cont          # else accepting it would be right
+        spec, cycles, forwards = generate.speculative(gen.t, lazy, p, MAX_NEW)
+        assert spec == cont[:MAX_NEW] and cycles == [1] * (MAX_NEW - 1) and forwards == MAX_NEW
+
+
+def test_wrong_mask_token_in_export_is_visibly_worse(gen, tmp_path):
+    """The most common serving complaint: a config.json with the wrong mask_token_id loads fine and silently
+    drafts badly. generate.py shows it: tau collapses towards 1 (the output stays the greedy one: lossless)."""
+    broken = tmp_path / "broken"
+    shutil.copytree(gen.drafter_dir, broken)
+    cfg = json.load(open(broken / "config.json"))
+    cfg["dflash_config"]["mask_token_id"] = 7
+    json.dump(cfg, open(broken / "config.json", "w"))
+    logs = []
+    good = generate.evaluate(gen.t, gen.drafter, gen.prompts, MAX_NEW, log=logs.append)
+    bad = generate.evaluate(gen.t, Drafter.from_pretrained(str(broken)), gen.prompts, MAX_NEW, log=logs.append)
+    print(f"tau: exported {good['tau']:.2f}, mask_token_id 511 -> 7 in config.json {bad['tau']:.2f}")
+    assert bad["tau"] - 1 < 0.5 * (good["tau"] - 1)
+    assert good["identical"] == bad["identical"] == len(gen.prompts)
+    assert good["spec_forwards"] < good["greedy_forwards"] and good["hist"][0] < sum(good["hist"])
+    assert good["tau"] == pytest.approx(sum((k + 1) * c for k, c in enumerate(good["hist"])) / sum(good["hist"]))
+
+
+def test_eos_stops_both_decodes(gen):
+    p, cont = gen.prompts[0], gen.cont[0]
+    eos = cont[6]
+    stop = cont.index(eos)                     # its first occurrence
+    spec, _, _ = generate.speculative(gen.t, gen.drafter, p, MAX_NEW, eos={eos})
+    assert spec == generate.greedy(gen.t, p, MAX_NEW, eos={eos}) == cont[:stop + 1]
+
+
+def test_divergence_is_reported(gen, monkeypatch):
+    """A greedy decode that differs (here: forced, at new token 5) is named, with the target's top-2 gap there;
+    a large gap is called a bug, not bf16 rounding."""
+    real = generate.greedy
+    monkeypatch.setattr(generate, "greedy", lambda *a, **k: [x if i != 5 else (x + 1) % 512
+                                                             for i, x in enumerate(real(*a, **k))])
+    logs = []
+    res = generate.evaluate(gen.t, gen.drafter, gen.prompts[:1], 12, log=logs.append)
+    assert res["identical"] == 0
+    assert "DIVERGES at new token 5" in logs[0] and "NOT a near-tie: a bug" in logs[0], logs[0]
+
+
+def test_chat_prompt_is_the_prefix_before_the_answer(tmp_path):
+    """A chat prompt is exactly what `data.py prepare` writes before the first supervised token."""
+    words = ["<unk>", "system", "user", "assistant", "hi", "hello", "there", "be", "brief"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_tokens(["\n"])
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    tok.save(str(tmp_path / "tok.json"))
+    conv = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello there"}]
+    with open(tmp_path / "chats.jsonl", "w") as f:
+        f.write(json.dumps({"messages": conv}) + "\n\n" + json.dumps({"messages": conv[:2]}) + "\n")
+    prompts = generate.chat_prompts(tmp_path / "chats.jsonl", str(tmp_path / "tok.json"), 8)
+    encode, _ = data._chat_encoder(str(tmp_path / "tok.json"))
+    ids, mask = encode(conv)
+    first = mask.index(1)
+    assert len(prompts) == 2 and prompts[0].tolist() == prompts[1].tolist() == ids[:first]
+    text = tok.decode(ids[:first], skip_special_tokens=False)
+    assert text.replace(" ", "").endswith("<|im_start|>assistant\n"), text
+    with open(tmp_path / "bad.jsonl", "w") as f:
+        f.write('{"prompt": "hi"}\n')
+    with pytest.raises(SystemExit, match="bad.jsonl:1"):
+        generate.chat_prompts(tmp_path / "bad.jsonl", str(tmp_path / "tok.json"), 8)

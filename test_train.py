@@ -1,7 +1,9 @@
 """
 train.py end to end, in real processes on CPU: the demo run, torchrun pairs over gloo, resume, and the
 faults a long job meets (bad flags, bad checkpoints, a non-finite loss, a killed rank, a crash mid-save,
-a broken compile cache, two nodes). Minutes: each test trains the tiny target's drafter a few steps.
+a broken compile cache, two nodes); the published z-lab drafter config in and out (--init-drafter);
+generate.py's command line and train.py --generate-prompts. Minutes: each test trains the tiny target's
+drafter a few steps.
 Run: python -m pytest -q test_smoke.py test_train.py (the demo dataset is built once, in data/demo)
 """
 import json
@@ -17,11 +19,14 @@ import time
 import numpy as np
 import pytest
 import torch
+from safetensors import safe_open
+from transformers import Qwen3Config
 
 import data
 from data import write_dataset
 from model import Drafter, DrafterConfig
 from target import Target, TargetConfig
+from test_smoke import BAD_LAYOUTS, YARN, write_published_tiny
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -65,6 +70,17 @@ def train(out, *flags, ok=True, **kw):
         p.kill()   # a no-op once it has exited; a hung run is not left behind
     assert (p.returncode == 0) == ok, f"{' '.join(p.args)} exited {p.returncode}:\n{text[-4000:]}"
     return text
+
+
+def generate_cmd(*flags):
+    """The command line of `generate.py FLAGS`."""
+    return [sys.executable, os.path.join(HERE, "generate.py"), *map(str, flags)]
+
+
+def run_apart(cmd):
+    """Runs a train_cmd or generate_cmd to its end; returns the CompletedProcess, with stdout and stderr
+    apart (for the checks that an error is one line on stderr)."""
+    return subprocess.run(cmd, cwd=HERE, env=clean_env(), capture_output=True, text=True, timeout=900)
 
 
 def train_log(out, kind="train"):
@@ -162,7 +178,8 @@ def test_start_checks(tmp_path):
     assert "past the target's vocab (512)" in fails("o1", "--data", big)
     assert "--mask-token-id 99999 is not a row of the target's embedding" in fails(
         "o2", "--mask-token-id", "99999")
-    assert "--anchors 200 is too many for --budget 128" in fails("o3", "--anchors", "200")
+    assert "--row-anchors 200 is too many for --budget 128: at most 32" in fails("o3", "--row-anchors", "200")
+    assert "--anchors 0 must be at least 1" in fails("o3b", "--anchors", "0")
     assert "--budget 16 must hold at least two blocks" in fails("o4", "--budget", "16")
     # a drafter on taps [1, 5], not the default [1, 3, 5]
     other = Drafter(DrafterConfig.from_target(TargetConfig.preset("tiny"), n_feat=2))
@@ -285,3 +302,101 @@ def test_broken_cache_gives_advice_and_fresh_cache_fixes_it(tmp_path):
     msg = train(tmp_path / "o", *flags, ok=False)
     assert "rerun with --fresh-cache" in msg and str(cache / "rank0" / "inductor") in msg, msg[-3000:]
     train(tmp_path / "o", *flags, "--fresh-cache")
+
+
+# ==================================================================================================
+# drafter layouts: the published z-lab config in and out through train.py --init-drafter, errors at start
+
+LAYOUT_FIELDS = ["layer_types", "sliding_window", "use_sliding_window", "max_window_layers", "rope_scaling",
+                 "rope_theta"]
+NOT_WRITTEN = {"auto_map", "bos_token_id", "eos_token_id", "pad_token_id", "transformers_version"}  # informational
+
+
+def test_published_config_trains_and_exports_unchanged(tmp_path):
+    src = tmp_path / "published"
+    cfg = write_published_tiny(src, YARN)
+    r = run_apart(train_cmd(tmp_path / "out", "--init-drafter", src, "--max-steps", "2", "--log-interval", "1",
+                            "--eval-interval", "1000", "--budget", "128"))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "drafter layout: 1 x full_attention + 4 x sliding_attention (window 48)" in r.stdout, r.stdout
+    assert "self-check: skipped (CPU" in r.stdout
+    with open(tmp_path / "out" / "drafter" / "config.json") as f:
+        out = json.load(f)
+    for k in LAYOUT_FIELDS:
+        assert out[k] == cfg[k], k
+    assert set(cfg) - set(out) == NOT_WRITTEN and set(out) - set(cfg) == {"torch_dtype"}
+    for k in set(cfg) - NOT_WRITTEN:
+        if k != "dflash_config":
+            assert out[k] == cfg[k], k
+    assert {**out["dflash_config"], "block_size": 16} == {**cfg["dflash_config"], "block_size": 16}
+    keys = []
+    for p in (src, tmp_path / "out" / "drafter"):
+        with safe_open(str(p / "model.safetensors"), "pt") as f:
+            keys.append(set(f.keys()))
+    assert keys[0] == keys[1]
+    # trained (weights moved), and the export loads as the same layout, in transformers too
+    a, b = Drafter.from_pretrained(str(src)), Drafter.from_pretrained(str(tmp_path / "out" / "drafter"))
+    assert a.config == b.config and any(not torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    hf = Qwen3Config.from_pretrained(str(tmp_path / "out" / "drafter"))
+    assert hf.layer_types == cfg["layer_types"] and hf.sliding_window == 48
+    assert hf.rope_parameters["rope_type"] == "yarn" and hf.rope_parameters["factor"] == 4.0
+
+
+def test_init_drafter_errors_at_start(tmp_path):
+    # train.py: one line, naming the file and the field, before anything runs
+    for i, (fields, msg) in enumerate(BAD_LAYOUTS[:2]):
+        path = tmp_path / f"d{i}"
+        cfg = write_published_tiny(path, None)
+        with open(path / "config.json", "w") as f:
+            json.dump({**cfg, **fields}, f)
+        r = run_apart(train_cmd(tmp_path / f"o{i}", "--init-drafter", path, "--max-steps", "1"))
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode != 0 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+        assert lines[0].startswith(f"error: --init-drafter {path}: {path / 'config.json'}: ") and msg in lines[0]
+    good = tmp_path / "good"
+    write_published_tiny(good, None)
+    r = run_apart(train_cmd(tmp_path / "o3", "--init-drafter", good, "--sliding-window", "0"))
+    assert r.returncode != 0 and "drop --sliding-window" in r.stderr.strip().splitlines()[-1], r.stderr
+    r = run_apart(train_cmd(tmp_path / "o4", "--sliding-window", "-3"))
+    assert r.returncode != 0 and r.stderr.strip() == "error: --sliding-window -3: sliding window -3: tokens, or 0 " \
+                                                       "for all full attention", r.stderr
+
+
+# ==================================================================================================
+# generate.py: train.py --generate-prompts, then generate.py's command line on that run's export
+
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory):
+    """A short train.py run with --generate-prompts; its exported drafter is what the CLI test loads."""
+    out = tmp_path_factory.mktemp("generated")
+    r = run_apart(train_cmd(out, "--max-steps", 4, "--no-compile", "--eval-interval", 1000,
+                            "--generate-prompts", 2, "--generate-tokens", 8))
+    return out, r
+
+
+def test_train_generate_flag(generated):
+    """train.py --generate-prompts: tau of the exported drafter logged next to the held-out proxy."""
+    out, r = generated
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    recs = [json.loads(l) for l in open(out / "log.jsonl")]
+    gen = [x for x in recs if x["kind"] == "generate"]
+    assert len(gen) == 1 and gen[0]["prompts"] == 2 and gen[0]["identical"] == 2 and gen[0]["tau"] >= 1
+    assert gen[0]["proxy_accept"] == [x for x in recs if x["kind"] == "eval"][-1]["accept"]
+    assert "generate: tau" in r.stdout
+
+
+def test_generate_cli(generated, tmp_path):
+    out, trained = generated
+    assert trained.returncode == 0, trained.stdout[-2000:] + trained.stderr[-2000:]
+    drafter = out / "drafter"
+    r = run_apart(generate_cmd("--drafter", drafter, "--num-prompts", 2, "--max-new-tokens", 16))
+    assert r.returncode == 0, r.stderr
+    assert "speculative == greedy on 2/2 prompts" in r.stdout and r.stdout.count("identical to greedy") == 2
+    r = run_apart(generate_cmd("--drafter", tmp_path))
+    assert r.returncode != 0 and "error: --drafter" in r.stderr and "no config.json" in r.stderr
+    r = run_apart(generate_cmd("--drafter", "random", "--prompts", tmp_path / "x.jsonl"))
+    assert r.returncode != 0 and "--prompts needs --tokenizer" in r.stderr
+    r = run_apart(generate_cmd("--drafter", "random", "--data", tmp_path))
+    assert r.returncode != 0 and "has no val/ split" in r.stderr
+    r = run_apart(generate_cmd("--drafter", drafter, "--target", "qwen3.6-27b"))
+    assert r.returncode != 0 and "does not fit --target qwen3.6-27b: hidden size 64" in r.stderr
