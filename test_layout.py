@@ -19,8 +19,8 @@ from safetensors import safe_open
 
 import model
 from model import (FULL, SLIDING, Drafter, DrafterConfig, anchor_blocks, anchor_mask_mod, block_lists,
-                   config_from_json, drafter_rope, flex_matches_dense, rope_inv_freq)
-from target import Target, TargetConfig, positions_from_cu
+                   config_from_json, drafter_rope, flex_matches_dense)
+from target import Target, TargetConfig, positions_from_cu, rope_inv_freq
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -177,7 +177,7 @@ def test_rope_matches_transformers(rope, head_dim, theta):
     hf = hf_qwen3_config(c)
     kind = hf.rope_parameters["rope_type"]
     ref_inv, ref_scale = ROPE_INIT_FUNCTIONS[kind](hf, "cpu") if kind != "default" else (None, 1.0)
-    inv, scale = rope_inv_freq(c)
+    inv, scale = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings)
     if ref_inv is not None:
         assert torch.allclose(inv, ref_inv, rtol=1e-6, atol=0) and scale == pytest.approx(ref_scale, rel=1e-12)
     # the whole table: HF's rotary embedding multiplies cos and sin by the attention factor
