@@ -247,14 +247,16 @@ class TargetConfig:
             if len(types) != kw["num_hidden_layers"]:
                 fail("layer_types", f"{len(types)} entries", f"num_hidden_layers is {kw['num_hidden_layers']}")
         kw.update(cls._rope_from_hf(text, fail))
-        kw["fp8_block"] = cls._fp8_from_hf(cfg.get("quantization_config") or text.get("quantization_config"), fail)
+        quant = cfg.get("quantization_config") or text.get("quantization_config")
+        kw["fp8_block"] = cls._fp8_from_hf(quant, fail)
         return cls(**kw)
 
     @staticmethod
     def _rope_from_hf(text, fail):
-        # transformers 5.x (modeling_rope_utils.py convert_rope_params_to_dict, standardize_rope_params): a legacy
-        # rope_scaling replaces rope_parameters; rope_theta and partial_rotary_factor inside it win over
-        # top-level ones; without either, rope_theta is 10000 and partial_rotary_factor 0.25 (Qwen3_5TextConfig)
+        # transformers 5.x (modeling_rope_utils.py convert_rope_params_to_dict, standardize_rope_params):
+        # a legacy rope_scaling replaces rope_parameters; rope_theta and partial_rotary_factor inside it win
+        # over top-level ones; without either, rope_theta is 10000 and partial_rotary_factor 0.25
+        # (Qwen3_5TextConfig)
         if text.get("rope_scaling") and text.get("rope_parameters"):
             fail("rope_scaling", text["rope_scaling"], "rope_parameters is also set, and transformers would "
                  "ignore it (its rope_theta too): move the scaling keys into rope_parameters")
@@ -275,14 +277,17 @@ class TargetConfig:
         if kind != "default" and not (isinstance(factor, (int, float)) and factor > 0):
             fail(f"{where}.factor", factor, f"rope_type {kind} needs a positive factor")
         if kind == "yarn" and "original_max_position_embeddings" in text:
-            fail("original_max_position_embeddings", text["original_max_position_embeddings"], "Qwen3_5TextConfig "
-                 f"ignores it at the top level: put it in {where}")
-        return dict(rope_theta=theta, partial_rotary_factor=rotary, rope_scaling=rope if kind != "default" else None)
+            fail("original_max_position_embeddings", text["original_max_position_embeddings"],
+                 f"Qwen3_5TextConfig ignores it at the top level: put it in {where}")
+        scaling = rope if kind != "default" else None
+        return dict(rope_theta=theta, partial_rotary_factor=rotary, rope_scaling=scaling)
 
     @staticmethod
     def _fp8_from_hf(q, fail):
         # the one quantized form read: block FP8 as Qwen's official -FP8 checkpoints ship it (transformers
-        # utils/quantization_config.py FineGrainedFP8Config): e4m3 weights, fp32/bf16 weight_scale_inv per block
+        # utils/quantization_config.py FineGrainedFP8Config): e4m3 weights, float weight_scale_inv per block.
+        # Which weights are FP8 is read from the tensors (a weight_scale_inv beside them), so
+        # modules_to_not_convert needs no interpreting
         if not q:
             return None
         block = q.get("weight_block_size")
@@ -439,7 +444,8 @@ def seeded_init_(name, t, std):
     t.copy_(torch.empty(t.shape, device=dev).normal_(0.0, std, generator=gen))   # fp32 draws: any dtype alike
 
 def dequantize_fp8(w, scale_inv, block, dtype, what="weight_scale_inv"):
-    """A block-FP8 weight w [rows, cols] (float8_e4m3fn) times its scales scale_inv [ceil(rows/b0), ceil(cols/b1)]:
+    """A block-FP8 weight w [rows, cols] (float8_e4m3fn) times its scales scale_inv
+    [ceil(rows/b0), ceil(cols/b1)]:
     W[i, j] = w[i, j] * scale_inv[i // b0, j // b1], the last block of a row or column partial (transformers
     integrations/finegrained_fp8.py FP8Linear allocates the scales so). Multiplied in fp32 and rounded once to
     dtype; the scales are broadcast over column blocks, never expanded to the weight's size."""
@@ -549,12 +555,13 @@ class Target(nn.Module):
                         if config.fp8_block is None:
                             raise ValueError(f"{file}: tensor {key} is block-FP8, but config.json has no "
                                              "quantization_config (quant_method fp8, weight_block_size)")
-                        if where[scale_key] == where[key]:
+                        scale_file = os.path.join(path, where[scale_key])
+                        if scale_file == file:
                             scale = f.get_tensor(scale_key)
                         else:   # the index may put a weight and its scales in different shards
-                            with safe_open(os.path.join(path, where[scale_key]), "pt", device=str(device)) as g:
+                            with safe_open(scale_file, "pt", device=str(device)) as g:
                                 scale = g.get_tensor(scale_key)
-                        t = dequantize_fp8(t, scale, config.fp8_block, out, f"{file}: {scale_key}")
+                        t = dequantize_fp8(t, scale, config.fp8_block, out, f"{scale_file}: {scale_key}")
                     state[name] = t.to(out)
         model.load_state_dict(state, assign=True)
         return model

@@ -1794,7 +1794,8 @@ def dequantize_by_hand(q, scale, block):
     w = torch.empty(rows, cols)
     for i in range(scale.shape[0]):
         for j in range(scale.shape[1]):
-            w[i * b0:(i + 1) * b0, j * b1:(j + 1) * b1] = q[i * b0:(i + 1) * b0, j * b1:(j + 1) * b1].float() * scale[i, j]
+            r, k = slice(i * b0, (i + 1) * b0), slice(j * b1, (j + 1) * b1)
+            w[r, k] = q[r, k].float() * scale[i, j]
     return w
 
 
