@@ -11,6 +11,10 @@ GPU checks and measurements (needs CUDA and fla-core; not part of the CPU test s
   python bench.py pair --anchors 512 --budget 8192 --steps 30
       # runs train.py itself: both roles in one process on GPU 0 (each role timed alone), then one pair on
       # GPUs 0-1 under torchrun; prints one table with MFU against the measured bf16 matmul peak
+  python bench.py load                       # writes (once, to --out/fp8-27b) a block-FP8 copy of random
+      # qwen3.6-27b tensors in the official -FP8 layout (~30 GB, 128x128 scales), then times
+      # Target.from_pretrained of it onto GPU 0 in bf16 in a fresh process: seconds, peak host RSS, peak GPU
+      # memory, one tensor checked against a hand dequantization
 """
 import argparse
 import json
@@ -27,7 +31,7 @@ from target import Target, TargetConfig, positions_from_cu
 from model import Drafter, DrafterConfig, sample_anchors, block_lists, flex_backward_kernels, flex_matches_dense
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-p.add_argument("what", choices=["check", "target", "drafter", "sweep", "pair"])
+p.add_argument("what", choices=["check", "target", "drafter", "sweep", "pair", "load"])
 p.add_argument("--anchors", type=int, default=512, help="draft blocks per row (drafter, sweep); per document (pair)")
 p.add_argument("--row-anchors", type=int, default=0, help="pair mode: train.py --row-anchors (0: measured from the data)")
 p.add_argument("--mix", choices=["short", "long"], default="short", help="pair mode: synthetic documents of 1-3K "
@@ -210,7 +214,7 @@ elif args.what in ("drafter", "sweep"):
             print(f"| {N} | {S} | out of memory |", flush=True)
             torch.cuda.empty_cache()
 
-else:
+elif args.what == "pair":
     from data import write_dataset
     # synthetic data with the real shapes: documents of 1-3K (short) or 4-8K (long) tokens, loss on their second half
     data = os.path.join(args.out, f"data-{args.mix}")
@@ -281,3 +285,92 @@ else:
         print(f"| {name}: busy target GPU / drafter GPU | {r['busy_target']:.0%} / {r['busy_drafter']:.0%} |")
         print(f"| {name}: peak memory per GPU | {' / '.join(f'{m:.1f}' for m in r['mem_gib'])} GiB |")
         print(f"| {name}: compiled graphs on the drafter rank (train + eval) | {r.get('graphs')} |")
+
+elif args.what == "load":
+    # the official -FP8 layout: model.language_model.* + lm_head, every decoder Linear weight but in_proj_a/b
+    # in e4m3 with fp32 weight_scale_inv [ceil(out/128), ceil(in/128)]; embeddings, norms, conv, A_log,
+    # dt_bias unquantized (bf16, A_log fp32). Random values: load time and memory do not depend on them
+    from safetensors.torch import save_file
+    tcfg = TargetConfig.preset("qwen3.6-27b")
+    path, block, shard_bytes = os.path.join(args.out, "fp8-27b"), [128, 128], 5 << 30
+    if not os.path.exists(os.path.join(path, "config.json")):
+        os.makedirs(path, exist_ok=True)
+        with torch.device("meta"):
+            meta = Target(tcfg)
+        shard, size, weight_map, n, t0 = {}, 0, {}, 0, time.time()
+        def flush():
+            global shard, size, n
+            n += 1
+            file = f"model-{n:05d}.safetensors"
+            save_file(shard, os.path.join(path, file), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(shard, file))
+            shard, size = {}, 0
+        for name, p in meta.named_parameters():
+            key = name if name == "lm_head.weight" else "model.language_model." + name
+            if name.startswith("layers.") and p.dim() == 2 and not name.endswith(("in_proj_a.weight", "in_proj_b.weight")):
+                grid = (-(-p.shape[0] // 128), -(-p.shape[1] // 128))
+                shard[key] = torch.randn(p.shape, device=dev).mul_(64).to(torch.float8_e4m3fn).cpu()
+                shard[key + "_scale_inv"] = (torch.rand(grid, device=dev) * 1e-3 + 1e-4).cpu()
+            else:
+                dtype = torch.float32 if name.endswith("A_log") else torch.bfloat16
+                shard[key] = (torch.randn(p.shape, device=dev) * 0.02).to(dtype).cpu()
+            size += shard[key].nbytes
+            if size >= shard_bytes:
+                flush()
+        flush()
+        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {}, "weight_map": weight_map}, f)
+        text = {k: getattr(tcfg, k) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                               "layer_types", "num_attention_heads", "num_key_value_heads", "head_dim",
+                                               "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                                               "linear_value_head_dim", "linear_conv_kernel_dim", "rms_norm_eps",
+                                               "max_position_embeddings")}
+        text.update(model_type="qwen3_5_text", hidden_act="silu", attention_bias=False,
+                    rope_parameters=dict(rope_type="default", rope_theta=tcfg.rope_theta, partial_rotary_factor=0.25,
+                                         mrope_section=[11, 11, 10], mrope_interleaved=True))
+        quant = dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic", weight_block_size=block,
+                     modules_to_not_convert=["lm_head", "model.visual", "mtp", "embed_tokens", "in_proj_a", "in_proj_b"])
+        with open(os.path.join(path, "config.json"), "w") as f:   # written last: its presence marks a complete copy
+            json.dump({"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+                       "tie_word_embeddings": False, "text_config": text, "quantization_config": quant}, f)
+        print(f"wrote {n} shards, {sum(os.path.getsize(os.path.join(path, f)) for f in set(weight_map.values())) / 2**30:.1f} "
+              f"GiB, to {path} in {time.time() - t0:.0f} s", flush=True)
+    # the load in a fresh process, so its peak host RSS is the loader's alone
+    child = r"""
+import json, resource, sys, time, torch
+from safetensors import safe_open
+from target import Target
+def hwm():
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM")) / 2**20
+path, before = sys.argv[1], hwm()
+t0 = time.time()
+m = Target.from_pretrained(path, device="cuda", dtype=torch.bfloat16)
+torch.cuda.synchronize()
+sec = time.time() - t0
+key = "model.language_model.layers.0.mlp.gate_proj.weight"
+with open(path + "/model.safetensors.index.json") as f:
+    wm = json.load(f)["weight_map"]
+with safe_open(path + "/" + wm[key], "pt") as f:
+    q = f.get_tensor(key).cuda()
+with safe_open(path + "/" + wm[key + "_scale_inv"], "pt") as f:
+    s = f.get_tensor(key + "_scale_inv").cuda()
+rows, cols = q.shape
+full = s.repeat_interleave(128, 0)[:rows].repeat_interleave(128, 1)[:, :cols]   # every element's scale
+same = torch.equal(m.layers[0].mlp.gate_proj.weight, (q.float() * full).to(torch.bfloat16))
+params = sum(p.numel() * p.element_size() for p in m.parameters()) / 2**30
+print(json.dumps(dict(load_s=round(sec, 1), rss_before_gib=round(before, 2), rss_peak_gib=round(hwm(), 2),
+                      gpu_peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2), weights_gib=round(params, 2),
+                      gate_proj_equals_hand_dequant=same)))
+"""
+    res = subprocess.run([sys.executable, "-c", child, path], capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.abspath(__file__)))
+    if res.returncode:
+        sys.exit(res.stderr[-3000:])
+    r = json.loads(res.stdout.strip().splitlines()[-1])
+    print(f"\n{torch.cuda.get_device_name()} | torch {torch.__version__} | block-FP8 qwen3.6-27b -> bf16 on GPU 0 | "
+          f"{time.strftime('%Y-%m-%d')}")
+    print("| measure | value |\n|---|---|")
+    print(f"| Target.from_pretrained (read + dequantize; page cache as the write left it) | {r['load_s']} s |")
+    print(f"| peak host RSS of the loading process | {r['rss_peak_gib']} GiB ({r['rss_before_gib']} GiB before the load) |")
+    print(f"| peak GPU memory / the bf16 weights | {r['gpu_peak_gib']} / {r['weights_gib']} GiB |")
+    print(f"| layers.0.mlp.gate_proj == hand dequantization | {r['gate_proj_equals_hand_dequant']} |")

@@ -12,7 +12,6 @@ Decoding", arXiv:2602.06036), in reading order:
 Notation: S context tokens in a packed row, N anchors (draft blocks) per row, B tokens per block.
 """
 import json
-import math
 import os
 import time
 from dataclasses import dataclass, field, fields
@@ -21,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from target import MLP, RMSNorm, apply_rope
+from target import MLP, ROPE_TYPES, RMSNorm, apply_rope, rope_cos_sin, rope_type
 
 # -----------------------------------------------------------------------------
 # 1) anchors
@@ -174,10 +173,6 @@ def default_target_layer_ids(n_target_layers, n_feat):
     return [int(round(1 + i * (n_target_layers - 4) / (n_feat - 1))) for i in range(n_feat)]
 
 FULL, SLIDING = "full_attention", "sliding_attention"     # the layer kinds of HF layer_types a drafter has
-ROPE_TYPES = ("default", "linear", "yarn")               # HF rope_type values the drafter's RoPE computes
-
-def rope_type(rope_scaling):
-    return "default" if not rope_scaling else rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
 
 @dataclass
 class DrafterConfig:
@@ -257,43 +252,9 @@ class DrafterConfig:
             kw.update(layer_types=[SLIDING] * (L - 1) + [FULL], sliding_window=sliding_window)
         return cls(**kw)
 
-def rope_inv_freq(c, device=None):
-    """RoPE inverse frequencies [head_dim/2] and the factor cos and sin are multiplied by, exactly as
-    transformers 5.x modeling_rope_utils.py computes them for rope_type default, linear and yarn (YaRN: Peng
-    et al., arXiv:2309.00071; the explicit factor wins over max_position_embeddings/original, as in v5)."""
-    dim, theta, s, kind = c.head_dim, c.rope_theta, c.rope_scaling or {}, rope_type(c.rope_scaling)
-    pos_freqs = theta ** (torch.arange(0, dim, 2, device=device).float() / dim)
-    if kind == "default":
-        return 1.0 / pos_freqs, 1.0
-    factor = s["factor"]
-    if kind == "linear":
-        return 1.0 / pos_freqs / factor, 1.0
-    original = s.get("original_max_position_embeddings") or c.max_position_embeddings
-    mscale = lambda m=1: 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
-    scale = s.get("attention_factor")
-    if scale is None:
-        both = s.get("mscale") and s.get("mscale_all_dim")
-        scale = mscale(s["mscale"]) / mscale(s["mscale_all_dim"]) if both else mscale()
-    # pair i keeps its frequency below `low` rotations-wise (extrapolation), is divided by factor above
-    # `high` (interpolation), and ramps linearly between
-    corr = lambda rotations: dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
-    low, high = corr(s.get("beta_fast") or 32), corr(s.get("beta_slow") or 1)
-    if s.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001
-    ramp = ((torch.arange(dim // 2, device=device).float() - low) / (high - low)).clamp(0, 1)
-    extrapolate = 1 - ramp
-    inv_freq = 1.0 / (factor * pos_freqs) * (1 - extrapolate) + 1.0 / pos_freqs * extrapolate
-    return inv_freq, float(scale)
-
 def drafter_rope(pos, c):
     # NeoX-style cos, sin [T, head_dim] in fp32 at positions pos [T], with c's rope_scaling
-    inv_freq, scale = rope_inv_freq(c, pos.device)
-    angles = pos.float()[:, None] * inv_freq[None, :]
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos() * scale, angles.sin() * scale
+    return rope_cos_sin(pos, c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings)
 
 def _dense_attention(allowed):
     # allowed [Q, KV] bool, or None for every key

@@ -6,6 +6,7 @@ against it). The drafter (model.py) borrows the small shared pieces at the top o
 """
 import functools
 import json
+import math
 import os
 import zlib
 from dataclasses import dataclass, fields
@@ -33,12 +34,53 @@ class RMSNorm(nn.Module):
     def forward(self, x):
         return rms_norm(x, self.weight, self.eps, self.plus_one)
 
-def rope_cos_sin(pos, rot_dim, theta):
-    # NeoX-style rotary angles in fp32: pos [T] -> cos, sin [T, rot_dim]
-    inv_freq = theta ** -(torch.arange(0, rot_dim, 2, device=pos.device, dtype=torch.float32) / rot_dim)
+ROPE_TYPES = ("default", "linear", "yarn")   # HF rope_type values rope_inv_freq computes
+
+def rope_type(scaling):
+    # the rope_type of an HF rope_scaling / rope_parameters dict (transformers 4.x configs spell it "type")
+    return "default" if not scaling else scaling.get("rope_type", scaling.get("type", "default"))
+
+def rope_inv_freq(dim, theta, scaling=None, max_positions=None, device=None):
+    """RoPE inverse frequencies [dim/2] over `dim` rotary dims, and the factor cos and sin are multiplied by,
+    exactly as transformers 5.x modeling_rope_utils.py computes them for rope_type default, linear and yarn
+    (YaRN: Peng et al., arXiv:2309.00071; the explicit factor wins over max_position_embeddings/original,
+    as in v5). scaling: the HF dict without rope_theta; max_positions: the config's max_position_embeddings,
+    YaRN's original length when the dict has none. A partial rotary computes over its rotary dims only
+    (HF: dim = head_dim * partial_rotary_factor)."""
+    s, kind = scaling or {}, rope_type(scaling)
+    pos_freqs = theta ** (torch.arange(0, dim, 2, device=device).float() / dim)
+    if kind == "default":
+        return 1.0 / pos_freqs, 1.0
+    factor = s["factor"]
+    if kind == "linear":
+        return 1.0 / pos_freqs / factor, 1.0
+    original = s.get("original_max_position_embeddings") or max_positions
+    mscale = lambda m=1: 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+    scale = s.get("attention_factor")
+    if scale is None:
+        both = s.get("mscale") and s.get("mscale_all_dim")
+        scale = mscale(s["mscale"]) / mscale(s["mscale_all_dim"]) if both else mscale()
+    # pair i keeps its frequency below `low` rotations-wise (extrapolation), is divided by factor above
+    # `high` (interpolation), and ramps linearly between
+    corr = lambda rotations: dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+    low, high = corr(s.get("beta_fast") or 32), corr(s.get("beta_slow") or 1)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, device=device).float() - low) / (high - low)).clamp(0, 1)
+    extrapolate = 1 - ramp
+    inv_freq = 1.0 / (factor * pos_freqs) * (1 - extrapolate) + 1.0 / pos_freqs * extrapolate
+    return inv_freq, float(scale)
+
+def rope_cos_sin(pos, dim, theta, scaling=None, max_positions=None):
+    # NeoX-style rotary cos, sin [T, dim] in fp32 at positions pos [T], times the attention factor (HF
+    # multiplies both by it: YaRN's softmax temperature)
+    inv_freq, scale = rope_inv_freq(dim, theta, scaling, max_positions, pos.device)
     angles = pos.float()[:, None] * inv_freq[None, :]
     angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos(), angles.sin()
+    return angles.cos() * scale, angles.sin() * scale
 
 def apply_rope(x, cos, sin):
     # x [T, heads, head_dim]; rotates the first cos.shape[-1] dims (partial RoPE), pairing i with i + rot/2
@@ -131,6 +173,13 @@ def _fla():
 # -----------------------------------------------------------------------------
 # target config and layers
 
+# transformers' Qwen3_5TextConfig defaults where they differ from the 27B values below (a config.json
+# without the field gets these, as in transformers)
+HF_TEXT_DEFAULTS = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=32, num_attention_heads=16,
+                        linear_num_value_heads=32, max_position_embeddings=32768)
+# Qwen3.5 MoE fields (transformers Qwen3_5MoeTextConfig): none may be set in a dense config
+MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
+
 @dataclass
 class TargetConfig:
     vocab_size: int = 248320            # embedding / lm_head rows (padded vocab)
@@ -150,8 +199,10 @@ class TargetConfig:
     rms_norm_eps: float = 1e-6          # every norm, the GDN gated norm included
     rope_theta: float = 1e7             # RoPE base
     partial_rotary_factor: float = 0.25 # RoPE on the first 25% of each attention head (64 of 256 dims)
-    max_position_embeddings: int = 262144  # copied into the drafter config
+    rope_scaling: dict = None           # None, or HF's rope dict of a linear/yarn rope_type (no rope_theta)
+    max_position_embeddings: int = 262144  # copied into the drafter config; YaRN's default original length
     tie_word_embeddings: bool = False   # lm_head shares embed_tokens
+    fp8_block: list = None              # block-FP8 checkpoint: [rows, cols] of a weight_scale_inv block
     init_std: float = 0.02              # random init of presets (no checkpoint)
 
     def __post_init__(self):
@@ -165,7 +216,9 @@ class TargetConfig:
 
     @classmethod
     def from_hf(cls, path):
-        """config.json of an HF checkpoint: the multimodal wrapper (text_config) or a text-only config."""
+        """config.json of an HF checkpoint: the multimodal wrapper (text_config) or a text-only config.
+        Absent fields take transformers' defaults (Qwen3_5Config / Qwen3_5TextConfig); a field that changes
+        the math and that this target does not implement is a one-line ValueError naming it."""
         file = os.path.join(path, "config.json") if os.path.isdir(path) else path
         with open(file) as f:
             cfg = json.load(f)
@@ -174,12 +227,82 @@ class TargetConfig:
             raise ValueError(f"{file}: model_type {cfg.get('model_type')!r} ({arch}) is not supported; "
                              "this trainer's target is the Qwen3.5/Qwen3.6 hybrid (model_type qwen3_5)")
         text = cfg.get("text_config", cfg)
-        rope = {**text, **(text.get("rope_parameters") or {})}   # some exports flatten rope_theta into text_config
-        kw = {f.name: text[f.name] for f in fields(cls) if f.name in text}
-        kw["rope_theta"] = rope.get("rope_theta", 1e7)
-        kw["partial_rotary_factor"] = rope.get("partial_rotary_factor", 0.25)
-        kw.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
+        def fail(field, value, why):
+            raise ValueError(f"{file}: {field} = {value!r} is not supported: {why}")
+        kw = {**HF_TEXT_DEFAULTS, **{f.name: text[f.name] for f in fields(cls) if f.name in text}}
+        # the multimodal model ties lm_head by the wrapper's flag, not text_config's (transformers 5.x
+        # Qwen3_5ForConditionalGeneration); a text-only config reads its own. Both default to False.
+        kw["tie_word_embeddings"] = cfg.get("tie_word_embeddings", False)
+        for field, ok, why in [
+                ("hidden_act", text.get("hidden_act", "silu") == "silu", "the MLP and the GDN conv use SiLU"),
+                ("attention_bias", not text.get("attention_bias", False), "the projections have no biases"),
+                *[(k, not text.get(k), "this target's MLPs are dense (no experts)") for k in MOE_FIELDS]]:
+            if not ok:
+                fail(field, text.get(field), why)
+        types = text.get("layer_types")
+        if types is not None:
+            bad = [t for t in types if t not in ("full_attention", "linear_attention")]
+            if bad:
+                fail("layer_types", bad[0], "Qwen3.5/3.6 layers are full_attention or linear_attention")
+            if len(types) != kw["num_hidden_layers"]:
+                fail("layer_types", f"{len(types)} entries", f"num_hidden_layers is {kw['num_hidden_layers']}")
+        kw.update(cls._rope_from_hf(text, fail))
+        quant = cfg.get("quantization_config") or text.get("quantization_config")
+        kw["fp8_block"] = cls._fp8_from_hf(quant, fail)
         return cls(**kw)
+
+    @staticmethod
+    def _rope_from_hf(text, fail):
+        # transformers 5.x (modeling_rope_utils.py convert_rope_params_to_dict, standardize_rope_params):
+        # a legacy rope_scaling replaces rope_parameters; rope_theta and partial_rotary_factor inside it win
+        # over top-level ones; without either, rope_theta is 10000 and partial_rotary_factor 0.25
+        # (Qwen3_5TextConfig)
+        if text.get("rope_scaling") and text.get("rope_parameters"):
+            fail("rope_scaling", text["rope_scaling"], "rope_parameters is also set, and transformers would "
+                 "ignore it (its rope_theta too): move the scaling keys into rope_parameters")
+        where = "rope_scaling" if text.get("rope_scaling") else "rope_parameters"
+        rope = dict(text.get(where) or {})
+        theta = rope.pop("rope_theta", text.get("rope_theta", 10000.0))
+        rotary = rope.pop("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
+        # M-RoPE: text positions are the same in all three (t, h, w) rows, so any section layout, interleaved
+        # or not, is plain 1-D RoPE (modeling_qwen3_5.py Qwen3_5TextRotaryEmbedding.recomposition_frequencies)
+        rope.pop("mrope_section", None)
+        rope.pop("mrope_interleaved", None)
+        kind, factor = rope_type(rope), rope.get("factor")
+        if kind == "dynamic":
+            fail(f"{where}.rope_type", kind, "transformers recomputes dynamic NTK per batch length while vLLM "
+                 "fixes it at max_position_embeddings * factor, so served features are ambiguous; use yarn")
+        if kind not in ROPE_TYPES:
+            fail(f"{where}.rope_type", kind, f"RoPE types computed here: {', '.join(ROPE_TYPES)}")
+        if kind != "default" and not (isinstance(factor, (int, float)) and factor > 0):
+            fail(f"{where}.factor", factor, f"rope_type {kind} needs a positive factor")
+        if kind == "yarn" and "original_max_position_embeddings" in text:
+            fail("original_max_position_embeddings", text["original_max_position_embeddings"],
+                 f"Qwen3_5TextConfig ignores it at the top level: put it in {where}")
+        scaling = rope if kind != "default" else None
+        return dict(rope_theta=theta, partial_rotary_factor=rotary, rope_scaling=scaling)
+
+    @staticmethod
+    def _fp8_from_hf(q, fail):
+        # the one quantized form read: block FP8 as Qwen's official -FP8 checkpoints ship it (transformers
+        # utils/quantization_config.py FineGrainedFP8Config): e4m3 weights, float weight_scale_inv per block.
+        # Which weights are FP8 is read from the tensors (a weight_scale_inv beside them), so
+        # modules_to_not_convert needs no interpreting
+        if not q:
+            return None
+        block = q.get("weight_block_size")
+        for field, ok, why in [
+                ("quant_method", q.get("quant_method") == "fp8", "only block-FP8 (quant_method fp8) checkpoints "
+                 "are read; use the bf16 checkpoint"),
+                ("weight_block_size", isinstance(block, list) and len(block) == 2
+                 and all(type(b) is int and b > 0 for b in block), "need [rows, cols] of a scale block "
+                 "(per-tensor FP8 is not read)"),
+                ("fmt", q.get("fmt", "e4m3") == "e4m3", "FP8 weights must be float8_e4m3fn"),
+                ("activation_scheme", q.get("activation_scheme", "dynamic") == "dynamic", "only dynamic"),
+                ("scale_fmt", q.get("scale_fmt", "float") == "float", "scales must be floats")]:
+            if not ok:
+                fail(f"quantization_config.{field}", q.get(field), why)
+        return list(block)
 
     @classmethod
     def preset(cls, name):
@@ -320,6 +443,24 @@ def seeded_init_(name, t, std):
     gen = torch.Generator(dev).manual_seed(zlib.crc32(name.encode()))
     t.copy_(torch.empty(t.shape, device=dev).normal_(0.0, std, generator=gen))   # fp32 draws: any dtype alike
 
+def dequantize_fp8(w, scale_inv, block, dtype, what="weight_scale_inv"):
+    """A block-FP8 weight w [rows, cols] (float8_e4m3fn) times its scales scale_inv
+    [ceil(rows/b0), ceil(cols/b1)]:
+    W[i, j] = w[i, j] * scale_inv[i // b0, j // b1], the last block of a row or column partial (transformers
+    integrations/finegrained_fp8.py FP8Linear allocates the scales so). Multiplied in fp32 and rounded once to
+    dtype; the scales are broadcast over column blocks, never expanded to the weight's size."""
+    (rows, cols), (b0, b1) = w.shape, block
+    grid = (-(-rows // b0), -(-cols // b1))
+    if tuple(scale_inv.shape) != grid:
+        raise ValueError(f"{what} has shape {tuple(scale_inv.shape)}, expected {grid} for a weight "
+                         f"[{rows}, {cols}] in blocks of {list(block)} (quantization_config.weight_block_size)")
+    s = scale_inv.float().repeat_interleave(b0, dim=0)[:rows]              # [rows, cols in blocks]
+    W = w.float()
+    full = cols // b1
+    W[:, :full * b1].view(rows, full, b1).mul_(s[:, :full, None])          # whole column blocks
+    W[:, full * b1:].mul_(s[:, full:])                                     # the partial one (if any)
+    return W.to(dtype)
+
 class Target(nn.Module):
     """Frozen hybrid target. Builds only what the caller needs: layers [0, n_layers) (up to the last tapped
     one on a target rank; 0 on a drafter rank, which only borrows embed_tokens and lm_head) and lm_head
@@ -366,7 +507,8 @@ class Target(nn.Module):
     @classmethod
     def from_pretrained(cls, path, device="cpu", dtype=torch.bfloat16, n_layers=None, head=True):
         """Load an HF Qwen3.5/3.6 checkpoint dir (one model.safetensors, or shards with an index), reading
-        only the tensors this rank needs, straight to `device` (the model is built on the meta device)."""
+        only the tensors this rank needs, straight to `device` (the model is built on the meta device).
+        Block-FP8 checkpoints (Qwen's -FP8 releases) are dequantized to `dtype` tensor by tensor on `device`."""
         from safetensors import safe_open
         config = TargetConfig.from_hf(path)
         index = os.path.join(path, "model.safetensors.index.json")
@@ -392,7 +534,7 @@ class Target(nn.Module):
                 raise KeyError(f"{path}: tensor {key} (for {name}) is missing from the checkpoint index/file")
             wanted.setdefault(where[key], []).append((name, key, p))
         state = {}
-        for file, items in wanted.items():
+        for file, items in wanted.items():   # one shard open at a time: host memory stays near one shard
             file = os.path.join(path, file)
             with safe_open(file, "pt", device=str(device)) as f:
                 present = set(f.keys())
@@ -403,7 +545,24 @@ class Target(nn.Module):
                     if tuple(t.shape) != tuple(p.shape):
                         raise ValueError(f"{file}: tensor {key} has shape {tuple(t.shape)}, "
                                          f"expected {tuple(p.shape)} from config.json")
-                    state[name] = t.to(torch.float32 if name.endswith(("A_log", "dt_bias")) else dtype)
+                    out = torch.float32 if name.endswith(("A_log", "dt_bias")) else dtype
+                    scale_key = key + "_scale_inv"   # FP8 tensors come with their block scales
+                    if scale_key in where or (t.is_floating_point() and t.element_size() == 1):
+                        if scale_key not in where or t.dtype != torch.float8_e4m3fn or t.dim() != 2:
+                            raise ValueError(f"{file}: tensor {key} ({t.dtype}, {t.dim()}-D) with "
+                                             f"{scale_key} {'present' if scale_key in where else 'absent'}: "
+                                             "block-FP8 weights are 2-D float8_e4m3fn with their scales")
+                        if config.fp8_block is None:
+                            raise ValueError(f"{file}: tensor {key} is block-FP8, but config.json has no "
+                                             "quantization_config (quant_method fp8, weight_block_size)")
+                        scale_file = os.path.join(path, where[scale_key])
+                        if scale_file == file:
+                            scale = f.get_tensor(scale_key)
+                        else:   # the index may put a weight and its scales in different shards
+                            with safe_open(scale_file, "pt", device=str(device)) as g:
+                                scale = g.get_tensor(scale_key)
+                        t = dequantize_fp8(t, scale, config.fp8_block, out, f"{scale_file}: {scale_key}")
+                    state[name] = t.to(out)
         model.load_state_dict(state, assign=True)
         return model
 
@@ -412,7 +571,8 @@ class Target(nn.Module):
         c = self.config
         cu_list = cu_seqlens.tolist()
         pos = positions_from_cu(cu_seqlens).to(ids.device)
-        rope = rope_cos_sin(pos, int(c.head_dim * c.partial_rotary_factor), c.rope_theta)
+        rope = rope_cos_sin(pos, int(c.head_dim * c.partial_rotary_factor), c.rope_theta, c.rope_scaling,
+                            c.max_position_embeddings)
         cu = cu_seqlens.to(ids.device)
         h = self.embed_tokens(ids)
         for i in range(stop):

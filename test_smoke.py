@@ -8,6 +8,7 @@ Run: python -m pytest -q test_smoke.py test_train.py
 Nothing here needs a GPU or the network; transformers/tokenizers are test-only dependencies.
 """
 import copy
+import dataclasses
 import functools
 import importlib
 import json
@@ -36,9 +37,9 @@ import generate
 import model
 from data import DataError, Packer, open_dataset, write_dataset
 from model import (FULL, SLIDING, Drafter, DrafterConfig, anchor_blocks, anchor_mask_mod, block_lists,
-                   config_from_json, default_target_layer_ids, drafter_rope, flex_matches_dense, rope_inv_freq,
+                   config_from_json, default_target_layer_ids, drafter_rope, flex_matches_dense,
                    sample_anchors)
-from target import (Target, TargetConfig, positions_from_cu, rope_cos_sin,
+from target import (Target, TargetConfig, dequantize_fp8, positions_from_cu, rope_cos_sin, rope_inv_freq,
                     torch_chunk_gated_delta_rule)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -1771,7 +1772,7 @@ def test_rope_matches_transformers(rope, head_dim, theta):
     hf = hf_qwen3_config(c)
     kind = hf.rope_parameters["rope_type"]
     ref_inv, ref_scale = ROPE_INIT_FUNCTIONS[kind](hf, "cpu") if kind != "default" else (None, 1.0)
-    inv, scale = rope_inv_freq(c)
+    inv, scale = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings)
     if ref_inv is not None:
         assert torch.allclose(inv, ref_inv, rtol=1e-6, atol=0) and scale == pytest.approx(ref_scale, rel=1e-12)
     # the whole table: HF's rotary embedding multiplies cos and sin by the attention factor
@@ -2198,3 +2199,318 @@ def test_chat_prompt_is_the_prefix_before_the_answer(tmp_path):
         f.write('{"prompt": "hi"}\n')
     with pytest.raises(SystemExit, match="bad.jsonl:1"):
         generate.chat_prompts(tmp_path / "bad.jsonl", str(tmp_path / "tok.json"), 8)
+
+# target checkpoints as users have them: RoPE scaling (yarn, linear) in both config spellings,
+# block-FP8 weights (Qwen's -FP8 releases), HF defaults, and one clear error per field we cannot honour
+
+
+def edit_config(path, edit):
+    """Rewrites path/config.json through edit(dict) (which changes it in place)."""
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    edit(cfg)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+
+
+# -----------------------------------------------------------------------------
+# RoPE scaling == transformers' Qwen3.5 (rotary over head_dim * partial_rotary_factor, cos/sin * factor)
+
+ROPE_CASES = [   # (HF rope dict without rope_theta, partial_rotary_factor, config.json spelling)
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}, 0.25, "rope_parameters"),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}, 0.5, "rope_scaling"),
+    ({"rope_type": "yarn", "factor": 8.0, "beta_fast": 16, "beta_slow": 2, "truncate": False,
+      "attention_factor": 1.3}, 0.5, "rope_parameters"),          # original = max_position_embeddings
+    ({"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 32, "mscale": 0.707,
+      "mscale_all_dim": 1.0}, 0.5, "rope_scaling"),
+    ({"rope_type": "linear", "factor": 2.5}, 0.5, "rope_parameters"),
+    ({"rope_type": "linear", "factor": 3.0}, 0.25, "rope_scaling"),
+]
+
+
+@pytest.mark.parametrize("rope,partial,spelling", ROPE_CASES)
+def test_rope_scaling_matches_hf(tmp_path, rope, partial, spelling):
+    hf = hf_qwen3_5()
+    rot = int(32 * partial) // 2
+    mrope = dict(mrope_section=[rot - 2 * (rot // 3), rot // 3, rot // 3], mrope_interleaved=True)
+    cfg = hf.Qwen3_5TextConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16, max_position_embeddings=256,
+        rope_parameters=dict(rope_theta=1e4, partial_rotary_factor=partial, **mrope, **rope),
+        attn_implementation="eager")
+    m = randomize_(hf.Qwen3_5ForCausalLM(cfg).eval(), 11)
+    m.save_pretrained(str(tmp_path))
+    if spelling == "rope_scaling":   # transformers 4.x: rope_scaling ("type") + top-level theta and factor
+        def legacy(c):
+            del c["rope_parameters"]
+            c.update(rope_scaling={"type" if k == "rope_type" else k: v for k, v in rope.items()},
+                     rope_theta=1e4, partial_rotary_factor=partial)
+        edit_config(str(tmp_path), legacy)
+        # transformers reads that spelling as the very rope_parameters the model was built with
+        again = hf.Qwen3_5TextConfig.from_pretrained(str(tmp_path)).rope_parameters
+        assert all(again[k] == v for k, v in cfg.rope_parameters.items() if not k.startswith("mrope")), again
+    with open(tmp_path / "config.json") as f:
+        assert spelling in json.load(f)
+    ours = Target.from_pretrained(str(tmp_path), dtype=torch.float32)
+    assert ours.config.rope_scaling["factor"] == rope["factor"] and ours.config.rope_theta == 1e4
+    assert ours.config.partial_rotary_factor == partial
+    ids = torch.randint(0, 300, (200,), generator=torch.Generator().manual_seed(12))   # past original 64
+    cu = cu_of([200])
+    hs, logits = hf_run(m, ids)
+    assert rel_err(ours.features(ids, cu, [0, 1, 2, 3]), torch.cat(hs, -1)) < 1e-4, "features"
+    assert rel_err(ours.logits(ids, cu), logits) < 1e-4, "logits"
+    # the scaling matters here: the same weights with plain RoPE are far off after the attention layer
+    plain = copy.deepcopy(ours)
+    plain.config = dataclasses.replace(ours.config, rope_scaling=None)
+    assert rel_err(plain.features(ids, cu, [3]), hs[3]) > 1e-3
+
+
+def test_rope_spellings_parse_alike(small_ckpts, tmp_path):
+    c = small_ckpts
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512}
+    write_text_only(str(tmp_path / "new"), c["cfg"], c["sd"], flat_rope=False)
+    edit_config(str(tmp_path / "new"), lambda j: j["rope_parameters"].update(yarn))
+    write_text_only(str(tmp_path / "old"), c["cfg"], c["sd"], flat_rope=True)
+    edit_config(str(tmp_path / "old"), lambda j: j.update(rope_scaling={**yarn, "type": "yarn"}))
+    new, old = TargetConfig.from_hf(str(tmp_path / "new")), TargetConfig.from_hf(str(tmp_path / "old"))
+    assert new.rope_scaling == yarn and old.rope_scaling == {**yarn, "type": "yarn"}
+    assert (new.rope_theta, new.partial_rotary_factor) == (old.rope_theta, old.partial_rotary_factor) == (1e3, 0.5)
+    pos = torch.arange(2000)
+    rot = int(new.head_dim * new.partial_rotary_factor)
+    a = rope_cos_sin(pos, rot, new.rope_theta, new.rope_scaling, new.max_position_embeddings)
+    b = rope_cos_sin(pos, rot, old.rope_theta, old.rope_scaling, old.max_position_embeddings)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+# -----------------------------------------------------------------------------
+# defaults follow transformers: absent fields, rope_theta 10000, the tie flag of the multimodal wrapper
+
+def test_config_defaults_follow_hf(tmp_path):
+    hf = hf_qwen3_5()
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump({"model_type": "qwen3_5_text"}, f)
+    ours, ref = TargetConfig.from_hf(str(tmp_path)), hf.Qwen3_5TextConfig()
+    for field in dataclasses.fields(TargetConfig):
+        if hasattr(ref, field.name) and field.name not in ("rope_theta", "partial_rotary_factor", "rope_scaling"):
+            assert getattr(ours, field.name) == getattr(ref, field.name), field.name
+    assert ours.rope_theta == ref.rope_parameters["rope_theta"] == 10000.0
+    assert ours.partial_rotary_factor == ref.rope_parameters["partial_rotary_factor"] == 0.25
+    assert ours.rope_scaling is None and ours.fp8_block is None
+    # rope_parameters without rope_theta: also 10000 (not the 27B's 1e7)
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump({"model_type": "qwen3_5_text", "rope_parameters": {"rope_type": "default"}}, f)
+    assert TargetConfig.from_hf(str(tmp_path)).rope_theta == 10000.0
+
+
+@pytest.mark.parametrize("top,text", [(True, False), (False, True), (None, True), (True, None)])
+def test_tie_flag_read_like_hf_multimodal(tmp_path, top, text):
+    hf = hf_qwen3_5()
+    from transformers import Qwen3_5Config
+    tc = dict(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+              num_key_value_heads=1, head_dim=16, linear_num_key_heads=1, linear_num_value_heads=1,
+              linear_key_head_dim=8, linear_value_head_dim=8)
+    if text is not None:
+        tc["tie_word_embeddings"] = text
+    vc = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32)
+    m = hf.Qwen3_5ForConditionalGeneration(
+        Qwen3_5Config(text_config=tc, vision_config=vc, **({} if top is None else {"tie_word_embeddings": top})))
+    tied = m.lm_head.weight is m.model.language_model.embed_tokens.weight
+    cfg = {"model_type": "qwen3_5", "text_config": {**tc, "model_type": "qwen3_5_text"}}
+    if top is not None:
+        cfg["tie_word_embeddings"] = top
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(cfg, f)
+    assert TargetConfig.from_hf(str(tmp_path)).tie_word_embeddings == tied == bool(top)
+
+
+# -----------------------------------------------------------------------------
+# block-FP8 checkpoints (e4m3 weights, weight_scale_inv per block, partial edge blocks)
+
+def quantize_fp8_by_hand(w, block, gen):
+    """Per block: scale = amax / 448 times a random u in [1, 4] (so scales differ a lot between blocks and a
+    misplaced one shows), q = w / scale in e4m3. Returns q [rows, cols], scale_inv [ceil, ceil] fp32."""
+    (rows, cols), (b0, b1) = w.shape, block
+    n0, n1 = -(-rows // b0), -(-cols // b1)
+    q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+    scale = torch.empty(n0, n1)
+    for i in range(n0):
+        for j in range(n1):
+            blk = w[i * b0:(i + 1) * b0, j * b1:(j + 1) * b1]
+            scale[i, j] = blk.abs().max().clamp(min=1e-8) / 448 * (1 + 3 * torch.rand((), generator=gen))
+            q[i * b0:(i + 1) * b0, j * b1:(j + 1) * b1] = (blk / scale[i, j]).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def dequantize_by_hand(q, scale, block):
+    (rows, cols), (b0, b1) = q.shape, block
+    w = torch.empty(rows, cols)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            r, k = slice(i * b0, (i + 1) * b0), slice(j * b1, (j + 1) * b1)
+            w[r, k] = q[r, k].float() * scale[i, j]
+    return w
+
+
+FP8_SKIP = ("in_proj_a.weight", "in_proj_b.weight")   # as in Qwen's -FP8 configs' modules_to_not_convert
+
+
+@pytest.fixture(scope="module")
+def fp8_source():
+    # the init of the presets at the tiny preset's scale: each layer changes the features by ~20-35%, and
+    # they react to weight errors smoothly (randomize_'s unit-scale weights amplify e4m3 rounding chaotically)
+    cfg = TargetConfig(**SMALL, init_std=0.1)
+    src = Target.build(cfg, dtype=torch.float32)
+    sd = {n: p.detach().clone() for n, p in src.state_dict().items()}
+    ids = torch.randint(0, cfg.vocab_size, (90,), generator=torch.Generator().manual_seed(3))
+    return dict(cfg=cfg, src=src, sd=sd, ids=ids, cu=cu_of([50, 40]))
+
+
+def fp8_checkpoint(path, c, layout, block, scale_dtype):
+    """The small checkpoint with every decoder Linear weight but in_proj_a/b in block FP8 (the rest as is,
+    fp32), config.json with Qwen's quantization_config. Returns {name: (hand-dequantized fp32 weight,
+    the scale of each element)}."""
+    gen = torch.Generator().manual_seed(13)
+    sd, deq = {}, {}
+    for n, t in c["sd"].items():
+        if n.startswith("layers.") and t.dim() == 2 and not n.endswith(FP8_SKIP):
+            q, scale = quantize_fp8_by_hand(t, block, gen)
+            sd[n], sd[n + "_scale_inv"] = q, scale.to(scale_dtype)
+            scale = scale.to(scale_dtype).float()
+            each = scale.repeat_interleave(block[0], 0)[:t.shape[0]].repeat_interleave(block[1], 1)[:, :t.shape[1]]
+            deq[n] = dequantize_by_hand(q, scale, block), each
+        else:
+            sd[n] = t
+    (write_official if layout == "official" else write_text_only)(str(path), c["cfg"], sd)
+    quant = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": block,
+             "modules_to_not_convert": ["lm_head", "embed_tokens", "in_proj_a", "in_proj_b"]}
+    edit_config(str(path), lambda j: j.update(quantization_config=quant))
+    return deq
+
+
+# official: sharded (a weight and its scales land in different shards), bf16 scales, blocks that leave a
+# partial last block in every dim; text-only: one file, fp32 scales, blocks that divide every dim
+FP8_CASES = [("official", [24, 40], torch.bfloat16), ("text", [16, 32], torch.float32)]
+
+
+@pytest.mark.parametrize("layout,block,scale_dtype", FP8_CASES)
+def test_fp8_checkpoint_loads_dequantized(fp8_source, tmp_path, layout, block, scale_dtype):
+    c = fp8_source
+    deq = fp8_checkpoint(tmp_path, c, layout, block, scale_dtype)
+    assert len(deq) == 4 * 3 + 2 * 4 + 6 * 3   # GDN qkv, z, out; attention q, k, v, o; MLPs
+    partial = any(w.shape[0] % block[0] or w.shape[1] % block[1] for w, _ in deq.values())
+    assert partial == (layout == "official")
+    if layout == "official":   # at least one weight's scales live in another shard than the weight
+        with open(tmp_path / "model.safetensors.index.json") as f:
+            wm = json.load(f)["weight_map"]
+        k = "model.language_model.layers.0.mlp.up_proj.weight"
+        assert wm[k] != wm[k + "_scale_inv"]
+    assert TargetConfig.from_hf(str(tmp_path)).fp8_block == block
+    t = Target.from_pretrained(str(tmp_path), dtype=torch.float32)
+    got = t.state_dict()
+    assert set(got) == set(c["sd"]), "scales must not become parameters"
+    for n, v in c["sd"].items():
+        if n not in deq:
+            assert torch.equal(got[n], v), n
+            continue
+        w, scale = deq[n]
+        assert torch.equal(got[n], w), f"{n}: not the hand dequantization"
+        # e4m3 rounding: 2^-4 relative (3 mantissa bits), 2^-10 * scale absolute below the normal range,
+        # plus the scale's own rounding when stored in bf16
+        err = (got[n] - v).abs()
+        assert (err <= v.abs() * (2 ** -4 + 2 ** -8) + scale * 2 ** -10).all(), n
+        assert err.max() > 0
+    # the features of the weights it was made from, up to FP8 rounding (the same weights with one scale per
+    # tensor instead of the right block's are off by ~40% here)
+    layers = list(range(c["cfg"].num_hidden_layers))
+    f8, ref = t.features(c["ids"], c["cu"], layers), c["src"].features(c["ids"], c["cu"], layers)
+    assert 1e-4 < rel_err(f8, ref) < 0.05
+    assert rel_err(t.logits(c["ids"], c["cu"]), c["src"].logits(c["ids"], c["cu"])) < 0.05
+    # bf16 runs: the fp32 product rounded once; a partial build reads only its layers' weights and scales
+    h = Target.from_pretrained(str(tmp_path), dtype=torch.bfloat16, n_layers=2, head=False)
+    for n, p in h.state_dict().items():
+        fp32 = n.endswith(("A_log", "dt_bias"))
+        want = deq[n][0] if n in deq else c["sd"][n]
+        assert torch.equal(p, want.to(torch.float32 if fp32 else torch.bfloat16)), n
+
+
+def test_dequantize_fp8_partial_blocks():
+    gen = torch.Generator().manual_seed(14)
+    for rows, cols, block in [(37, 53, [16, 16]), (5, 7, [16, 16]), (48, 20, [16, 5]), (300, 260, [128, 128])]:
+        w = torch.randn(rows, cols, generator=gen)
+        q, scale = quantize_fp8_by_hand(w, block, gen)
+        got = dequantize_fp8(q, scale, block, torch.float32)
+        assert torch.equal(got, dequantize_by_hand(q, scale, block)), (rows, cols, block)
+        assert rel_err(got, w) < 0.07                                   # e4m3 rounding, scales up to 4x off amax
+        with pytest.raises(ValueError, match=r"expected \(%d, %d\)" % scale.shape):
+            dequantize_fp8(q, scale[:, :-1], block, torch.float32)
+
+
+@pytest.mark.parametrize("case", ["no_scale", "bad_scale_shape", "no_quant_config", "scale_on_bf16"])
+def test_fp8_checkpoint_errors(fp8_source, tmp_path, case):
+    c = fp8_source
+    fp8_checkpoint(tmp_path, c, "text", [16, 32], torch.float32)
+    key = "model.layers.1.self_attn.k_proj.weight"
+    file = tmp_path / "model.safetensors"
+    with safe_open(str(file), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    if case == "no_scale":
+        del tensors[key + "_scale_inv"]
+    elif case == "bad_scale_shape":
+        tensors[key + "_scale_inv"] = tensors[key + "_scale_inv"][:, :1].contiguous()
+    elif case == "no_quant_config":
+        edit_config(str(tmp_path), lambda j: j.pop("quantization_config"))
+    else:   # a scale next to a weight that is not FP8
+        tensors[key] = tensors[key].to(torch.bfloat16)
+    save_file(tensors, str(file))
+    with pytest.raises(ValueError) as e:
+        Target.from_pretrained(str(tmp_path), dtype=torch.float32)
+    msg = str(e.value)
+    assert "\n" not in msg and str(file) in msg and (key in msg or case == "no_quant_config"), msg
+    if case == "no_quant_config":
+        assert "quantization_config" in msg
+
+
+# -----------------------------------------------------------------------------
+# every config field that changes the math and that the target does not implement: one line naming it
+
+def _set_rope(j, **kw):
+    j["text_config"]["rope_parameters"].update(kw)
+
+
+BAD_CONFIGS = [
+    (lambda j: j["text_config"].update(attention_bias=True), "attention_bias = True"),
+    (lambda j: j["text_config"].update(hidden_act="gelu"), "hidden_act = 'gelu'"),
+    (lambda j: _set_rope(j, rope_type="dynamic", factor=2.0), "rope_parameters.rope_type = 'dynamic'"),
+    (lambda j: _set_rope(j, rope_type="longrope", factor=2.0), "rope_parameters.rope_type = 'longrope'"),
+    (lambda j: _set_rope(j, rope_type="yarn"), "rope_parameters.factor = None"),
+    (lambda j: j["text_config"].update(rope_scaling={"rope_type": "yarn", "factor": 2.0}), "rope_scaling = {"),
+    (lambda j: (_set_rope(j, rope_type="yarn", factor=2.0),
+                j["text_config"].update(original_max_position_embeddings=64)),
+     "original_max_position_embeddings = 64"),
+    (lambda j: j["text_config"]["layer_types"].__setitem__(2, "sliding_attention"),
+     "layer_types = 'sliding_attention'"),
+    (lambda j: j["text_config"]["layer_types"].pop(), "layer_types = '5 entries'"),
+    (lambda j: j["text_config"].update(num_experts=8, num_experts_per_tok=2), "num_experts = 8"),
+    (lambda j: j.update(quantization_config={"quant_method": "gptq", "bits": 4}),
+     "quantization_config.quant_method = 'gptq'"),
+    (lambda j: j.update(quantization_config={"quant_method": "fp8", "activation_scheme": "dynamic"}),
+     "quantization_config.weight_block_size = None"),
+    (lambda j: j.update(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128],
+                                             "activation_scheme": "static"}),
+     "quantization_config.activation_scheme = 'static'"),
+    (lambda j: j.update(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128],
+                                             "fmt": "e5m2"}), "quantization_config.fmt = 'e5m2'"),
+]
+
+
+@pytest.mark.parametrize("edit,expected", BAD_CONFIGS, ids=[e for _, e in BAD_CONFIGS])
+def test_unsupported_config_fields(small_ckpts, tmp_path, edit, expected):
+    write_official(str(tmp_path), small_ckpts["cfg"], small_ckpts["sd"])
+    edit_config(str(tmp_path), edit)
+    for load in (TargetConfig.from_hf, lambda p: Target.from_pretrained(p, dtype=torch.float32)):
+        with pytest.raises(ValueError) as e:
+            load(str(tmp_path))
+        msg = str(e.value)
+        assert msg.startswith(f"{tmp_path / 'config.json'}: {expected}") and "is not supported" in msg, msg
+        assert "\n" not in msg

@@ -400,3 +400,27 @@ def test_generate_cli(generated, tmp_path):
     assert r.returncode != 0 and "has no val/ split" in r.stderr
     r = run_apart(generate_cmd("--drafter", drafter, "--target", "qwen3.6-27b"))
     assert r.returncode != 0 and "does not fit --target qwen3.6-27b: hidden size 64" in r.stderr
+
+def test_bad_target_checkpoint_is_one_line(tmp_path):
+    """A --target checkpoint whose config.json asks for math the target does not implement, or whose
+    tensors do not fit it, stops the run at start with one line naming the file and the field/tensor."""
+    from dataclasses import asdict
+    from safetensors.torch import save_file
+    demo = demo_data()
+    cfg = TargetConfig.preset("tiny")
+    text = {k: v for k, v in asdict(cfg).items() if k not in ("init_std", "fp8_block", "rope_scaling")}
+    text.update(model_type="qwen3_5_text", architectures=["Qwen3_5ForCausalLM"], hidden_act="silu")
+    sd = Target.build(cfg).state_dict()
+    del sd["layers.1.mlp.up_proj.weight"]
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    save_file({("lm_head.weight" if n == "lm_head.weight" else "model." + n): t.contiguous() for n, t in sd.items()},
+              str(ckpt / "model.safetensors"))
+    for config, expected in [
+            ({**text, "attention_bias": True}, f"{ckpt / 'config.json'}: attention_bias = True is not supported"),
+            (text, f"{ckpt}: tensor model.layers.1.mlp.up_proj.weight (for layers.1.mlp.up_proj.weight) is missing")]:
+        with open(ckpt / "config.json", "w") as f:
+            json.dump(config, f)
+        msg = train(tmp_path / "o", "--data", demo, "--target", ckpt, ok=False)
+        assert "Traceback" not in msg, msg[-3000:]
+        assert msg.strip().splitlines()[-1].startswith(f"error: --target {ckpt}: {expected}"), msg[-3000:]

@@ -198,7 +198,10 @@ row_anchors = max(8, min(row_anchors, budget - 1, 4 * budget // block_size))
 # models: target ranks load the layers up to the last tapped one, drafters embed_tokens + lm_head
 
 preset = not os.path.isdir(args.target)
-tcfg = TargetConfig.preset(args.target) if preset else TargetConfig.from_hf(args.target)
+try:
+    tcfg = TargetConfig.preset(args.target) if preset else TargetConfig.from_hf(args.target)
+except (ValueError, OSError) as e:   # an unknown preset, an unreadable or unsupported config.json
+    sys.exit(f"error: --target {args.target}: {e}")
 n_feat = args.n_feat or (3 if tcfg.num_hidden_layers < 16 else 5)
 try:
     dcfg = DrafterConfig.from_target(tcfg, n_feat=n_feat, num_hidden_layers=args.drafter_layers,
@@ -234,7 +237,10 @@ load = dict(device=device, dtype=tdtype, n_layers=n_layers, head=runs_drafter)
 if preset:
     target = Target.build(tcfg, **load)
 else:
-    target = Target.from_pretrained(args.target, **load)
+    try:
+        target = Target.from_pretrained(args.target, **load)
+    except (ValueError, KeyError, FileNotFoundError) as e:   # missing, misshapen or mis-scaled tensors
+        sys.exit(f"error: --target {args.target}: {e.args[0] if isinstance(e, KeyError) else e}")
 
 if runs_drafter:
     # every drafter rank starts from the same weights (checked at the end)
