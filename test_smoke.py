@@ -179,10 +179,9 @@ def test_packed_documents_equal_separate_runs():
 # -----------------------------------------------------------------------------
 # matches Hugging Face transformers' Qwen3.5 (its torch fallback path on CPU)
 
-def hf_qwen3_5():
+def hf_qwen3_5(name="transformers.models.qwen3_5.modeling_qwen3_5"):
     """transformers' Qwen3.5 modeling module, imported with fla and causal_conv1d hidden: it binds
     those kernels at import time when installed, and their Triton kernels can't run on CPU tensors."""
-    name = "transformers.models.qwen3_5.modeling_qwen3_5"
     if name not in sys.modules:
         saved = {m: sys.modules.get(m) for m in ("fla", "causal_conv1d")}
         try:
