@@ -318,13 +318,14 @@ class GatedDeltaNet(nn.Module):
             o = (self.norm(o).float() * F.silu(z.float())).to(x.dtype)
         return self.out_proj(o.reshape(T, -1))
 
-def expert_linear(x, w, counts):
-    """x [P, in]: rows grouped by expert, counts[e] rows for expert e in expert order; w [E, out, in] -> [P, out]."""
+def expert_linear(x, w, ends):
+    """x [P, in]: rows grouped by expert in expert order, expert e's rows end at ends[e]; w [E, out, in] -> [P, out]"""
     if x.dtype == torch.bfloat16 and w.shape[1] % 8 == 0 and w.shape[2] % 8 == 0:
         # one grouped GEMM over all experts (CUTLASS on sm90+); the offsets stay on the device: no host sync
-        return torch._grouped_mm(x, w.transpose(1, 2), offs=counts.cumsum(0).to(torch.int32))
+        return torch._grouped_mm(x, w.transpose(1, 2), offs=ends.to(torch.int32))
     # rows not 16-byte aligned (toy sizes) or fp32: one matmul per expert on its contiguous slice
-    return torch.cat([F.linear(xe, we) for xe, we in zip(x.split(counts.tolist()), w)])
+    sizes = ends.diff(prepend=ends.new_zeros(1)).tolist()
+    return torch.cat([F.linear(xe, we) for xe, we in zip(x.split(sizes), w)])
 
 class MoE(nn.Module):
     """Qwen3.5/3.6 sparse MoE MLP (transformers' Qwen3_5MoeSparseMoeBlock): softmax router over all experts in
@@ -347,10 +348,10 @@ class MoE(nn.Module):
         w, idx = probs.topk(k, dim=-1)                           # [T, k]
         w = (w / w.sum(-1, keepdim=True)).to(x.dtype)
         # the T*k (token, slot) pairs sorted by expert: every expert's rows are one contiguous slice
-        order = idx.flatten().argsort(stable=True)               # [T*k]
-        counts = torch.bincount(idx.flatten(), minlength=E)      # [E]
-        gate, up = expert_linear(x[order // k], self.experts.gate_up_proj, counts).chunk(2, dim=-1)
-        out = expert_linear(F.silu(gate) * up, self.experts.down_proj, counts)   # [T*k, H], sorted
+        expert, order = idx.flatten().sort(stable=True)          # [T*k]
+        ends = torch.searchsorted(expert, torch.arange(1, E + 1, device=x.device))   # [E] (bincount would sync)
+        gate, up = expert_linear(x[order // k], self.experts.gate_up_proj, ends).chunk(2, dim=-1)
+        out = expert_linear(F.silu(gate) * up, self.experts.down_proj, ends)     # [T*k, H], sorted
         out = torch.empty_like(out).index_copy_(0, order, out).view(T, k, -1)     # back to (token, slot)
         routed = torch.bmm(w[:, None, :], out)[:, 0]             # weighted sum over the k slots, fp32 accumulate
         return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
