@@ -40,7 +40,7 @@ p.add_argument("--target", default="qwen3.6-27b", help="target preset, random we
 p.add_argument("--drafter-layers", type=int, default=None, help="drafter decoder layers (default: z-lab's published "
                "drafter for the target: 5 for the 27B, 6 for the 35B-A3B)")
 p.add_argument("--sliding-window", type=int, default=None, help="tokens per sliding drafter layer, all but the last "
-               "sliding (default: the published layout, 2048 for the 27B, 4096 for the 35B-A3B); 0: all full attention")
+               "sliding (default: the published layout, 2048 for the 27B, 4096 for the 35B-A3B); 0: all full")
 p.add_argument("--steps", type=int, default=30, help="training steps per train.py run (the last 10 are timed)")
 p.add_argument("--timeout", type=float, default=600, help="seconds allowed for each train.py run")
 p.add_argument("--runs", default="one,pair", help="pair mode: which train.py runs (one: 1 GPU both roles; pair: 2 GPUs)")

@@ -183,7 +183,8 @@ class TargetConfig:
         text = cfg.get("text_config", cfg)
         moe = cfg["model_type"].startswith("qwen3_5_moe")
         # transformers' qwen3_5_moe: every layer is MoE and the top-k weights always sum to 1; nothing else is read
-        moe_fields = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
+        moe_fields = ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                      "shared_expert_intermediate_size")
         checks = [(f"text_config.{k}: an MoE field in a dense {cfg['model_type']} config; use model_type "
                    "qwen3_5_moe or remove it") for k in moe_fields + ("norm_topk_prob", "mlp_only_layers",
                                                                   "decoder_sparse_step") if not moe and k in text]
@@ -191,6 +192,9 @@ class TargetConfig:
                    for k in moe_fields if moe and k not in text]
         if moe and text.get("norm_topk_prob", True) is not True:
             checks.append("text_config.norm_topk_prob: only true is supported (qwen3_5_moe renormalises the top-k)")
+        if moe and not checks and not 0 < text["num_experts_per_tok"] <= text["num_experts"]:
+            checks.append(f"text_config.num_experts_per_tok {text['num_experts_per_tok']}: must be 1.."
+                          f"num_experts ({text['num_experts']})")
         if moe and (text.get("mlp_only_layers") or text.get("decoder_sparse_step", 1) != 1):
             checks.append("text_config.mlp_only_layers / decoder_sparse_step: dense layers in a qwen3_5_moe model "
                           "are not supported (every layer is MoE)")
@@ -319,7 +323,8 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(o.reshape(T, -1))
 
 def expert_linear(x, w, ends):
-    """x [P, in]: rows grouped by expert in expert order, expert e's rows end at ends[e]; w [E, out, in] -> [P, out]"""
+    """x [P, in]: rows grouped by expert, in expert order (expert e's end at row ends[e]); w [E, out, in]
+    -> [P, out]"""
     if x.dtype == torch.bfloat16 and w.shape[1] % 8 == 0 and w.shape[2] % 8 == 0:
         # one grouped GEMM over all experts (CUTLASS on sm90+); the offsets stay on the device: no host sync
         return torch._grouped_mm(x, w.transpose(1, 2), offs=ends.to(torch.int32))
@@ -464,7 +469,8 @@ class Target(nn.Module):
             for k in keys:
                 if k not in where:
                     also = f" (nor {key})" if k != key else ""
-                    raise KeyError(f"{path}: tensor {k}{also} (for {name}) is missing from the checkpoint index/file")
+                    raise KeyError(f"{path}: tensor {k}{also} (for {name}) is missing from the checkpoint "
+                                   "index/file")
                 wanted.setdefault(where[k], []).append((name, k, shape))
             keys_of[name] = keys
         tensors = {}
@@ -537,7 +543,8 @@ class Target(nn.Module):
         params = list(self.layers[:n_layers].named_parameters())
         linear = sum(p.numel() for n, p in params if p.dim() == 2)
         # routed experts: each token runs top_k of them (active parameters); router and shared expert are in linear
-        linear += sum(p.numel() for n, p in params if ".experts." in n) * c.num_experts_per_tok // max(c.num_experts, 1)
+        experts = sum(p.numel() for n, p in params if ".experts." in n)
+        linear += experts * c.num_experts_per_tok // max(c.num_experts, 1)
         lens = (cu_seqlens[1:] - cu_seqlens[:-1]).double()
         n_full = sum(c.layer_types[i] == "full_attention" for i in range(n_layers))
         causal_pairs = float((lens * (lens + 1) / 2).sum())

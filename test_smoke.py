@@ -1710,7 +1710,8 @@ def test_moe_matches_hf_single_document(moe_pair):
     cu = cu_of([150])
     # the test exercises routing: every expert is used, tokens disagree, the shared expert's gate is neither 0 nor 1
     for idx, shared in moe_routing(m, ids):
-        assert idx.shape == (150, 3) and len(idx.unique()) == 7 and len({tuple(r) for r in idx.sort(-1)[0].tolist()}) > 10
+        assert idx.shape == (150, 3) and len(idx.unique()) == 7
+        assert len({tuple(r) for r in idx.sort(-1)[0].tolist()}) > 10        # many different expert sets
         assert 0.02 < shared.min() and shared.max() < 0.98 and shared.std() > 0.05
     hs, logits = hf_run(m, ids)
     feats = ours.features(ids, cu, [0, 1, 2, 3])
@@ -1811,8 +1812,7 @@ def test_moe_config_errors(tmp_path, edit, field):
     with pytest.raises(ValueError) as e:
         TargetConfig.from_hf(str(tmp_path))
     msg = str(e.value)
-    assert field in msg and len(msg.splitlines()) == 1
-    assert "num_experts_per_tok" in field or str(tmp_path) in msg
+    assert field in msg and str(tmp_path) in msg and len(msg.splitlines()) == 1
 
 
 def moe_block(dtype, E=6, k=3, H=32, I=16, Is=24, seed=15):
@@ -1918,7 +1918,8 @@ def test_moe_35b_a3b_drafter_defaults():
         "rms_norm_eps": 1e-6, "vocab_size": 248320, "max_position_embeddings": 262144, "tie_word_embeddings": False,
         "num_target_layers": 40, "sliding_window": 4096, "use_sliding_window": True, "max_window_layers": 6,
         "layer_types": [model.SLIDING] * 5 + [FULL],
-        "dflash_config": {"block_size": 16, "mask_token_id": 248077, "target_layer_ids": [1, 6, 11, 16, 22, 27, 32, 37]},
+        "dflash_config": {"block_size": 16, "mask_token_id": 248077,
+                          "target_layer_ids": [1, 6, 11, 16, 22, 27, 32, 37]},
         "rope_parameters": {"rope_theta": 10_000_000.0, "rope_type": "default"}}
     c = DrafterConfig.from_target(TargetConfig.preset("qwen3.6-35b-a3b"))
     assert c == model.config_from_json(published)

@@ -35,8 +35,8 @@ group.add_argument("--target", default="tiny", help="HF checkpoint dir of a Qwen
                    "or a preset: tiny, qwen3.6-27b, qwen3.5-35b-a3b, qwen3.6-35b-a3b (random weights)")
 group.add_argument("--drafter-layers", type=int, default=None, help="drafter decoder layers (default: z-lab's "
                    "published drafter for the target: 5 for the 27B, 6 for the 35B-A3B; else 5)")
-group.add_argument("--n-feat", type=int, default=None, help="tapped target layers (default: the published drafter's, "
-                   "5 for the 27B, 8 for the 35B-A3B; else 5, 3 under 16 target layers)")
+group.add_argument("--n-feat", type=int, default=None, help="tapped target layers (default: the published "
+                   "drafter's, 5 for the 27B, 8 for the 35B-A3B; else 5, 3 under 16 target layers)")
 group.add_argument("--block-size", type=int, default=16, help="tokens per draft block: anchor + block-size-1 drafted")
 group.add_argument("--mask-token-id", type=int, default=None, help="embedding row of the masked slots "
                    "(default: z-lab's for the vocab)")
@@ -44,7 +44,8 @@ group.add_argument("--init-drafter", default=None, help="start from a z-lab form
                    "(its config's layer layout and RoPE are kept)")
 group.add_argument("--sliding-window", type=int, default=None, help="tokens a sliding-window drafter layer sees "
                    "(its own position included); all layers but the last slide, as in z-lab's published drafters; "
-                   "0: all full attention (default: the published drafter's, 2048 for the 27B, 4096 for the 35B-A3B; else 0)")
+                   "0: all full attention (default: the published drafter's, 2048 for the 27B, 4096 for the "
+                   "35B-A3B; else 0)")
 group = parser.add_argument_group("optimization")
 group.add_argument("--anchors", type=int, default=16, help="draft blocks per document (sample) and step, "
                    "at most: the recipe's 512 per sample")
