@@ -205,6 +205,8 @@ class TargetConfig:
         kw["rope_theta"] = rope.get("rope_theta", 1e7)
         kw["partial_rotary_factor"] = rope.get("partial_rotary_factor", 0.25)
         kw.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
+        if moe:
+            kw.setdefault("intermediate_size", 0)   # no dense SwiGLU (qwen3_5_moe configs have no such field)
         return cls(**kw)
 
     @classmethod

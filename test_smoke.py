@@ -1698,7 +1698,7 @@ def test_moe_config_from_hf(moe_pair):
     c = ours.config
     assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.shared_expert_intermediate_size) == \
         (7, 3, 20, 28)
-    assert type(ours.layers[0].mlp).__name__ == "MoE"
+    assert type(ours.layers[0].mlp).__name__ == "MoE" and c.intermediate_size == 0
     for i, layer in enumerate(ours.layers):      # the stacked per-expert tensors == HF's fused parameters
         assert torch.equal(layer.mlp.experts.gate_up_proj, m.model.layers[i].mlp.experts.gate_up_proj)
         assert torch.equal(layer.mlp.experts.down_proj, m.model.layers[i].mlp.experts.down_proj)
