@@ -4,11 +4,13 @@ GPU checks and measurements (needs CUDA and fla-core; not part of the CPU test s
   python bench.py check                      # fla target == torch target on packed rows; flex step == dense step
                                              # (train.py's start-up self-check, published and all-full layouts)
   python bench.py target --budget 8192       # qwen3.6-27b forward: ms, MFU, memory; full-attention kernels compared
+  python bench.py target --target qwen3.5-35b-a3b   # the MoE target (FLOPs on active parameters); its MoE block
+                                             # alone: grouped GEMM vs one matmul per expert
   python bench.py drafter --anchors 512      # the 27B drafter's training step alone (train.py's step, random features):
                                              # compile time, ms, MFU, peak memory, fused flex backward seen
                                              # (per layer kind; --sliding-window 0 for all full layers)
   python bench.py sweep                      # the drafter step over anchors 128..1024 x budget 4096..16384 (--shapes)
-  python bench.py pair --anchors 512 --budget 8192 --steps 30
+  python bench.py pair --anchors 512 --budget 8192 --steps 30    # (--target qwen3.5-35b-a3b: the MoE pair)
       # runs train.py itself: both roles in one process on GPU 0 (each role timed alone), then one pair on
       # GPUs 0-1 under torchrun; prints one table with MFU against the measured bf16 matmul peak
   python bench.py load                       # writes (once, to --out/fp8-27b) a block-FP8 copy of random
@@ -27,6 +29,7 @@ import time
 import numpy as np
 import torch
 import torch.nn.functional as F
+import target as target_module
 from target import Target, TargetConfig, positions_from_cu
 from model import Drafter, DrafterConfig, sample_anchors, block_lists, flex_backward_kernels, flex_matches_dense
 
@@ -37,9 +40,12 @@ p.add_argument("--row-anchors", type=int, default=0, help="pair mode: train.py -
 p.add_argument("--mix", choices=["short", "long"], default="short", help="pair mode: synthetic documents of 1-3K "
                "(short) or 4-8K (long) tokens, loss on the second half of each")
 p.add_argument("--budget", type=int, default=8192, help="tokens per row")
-p.add_argument("--drafter-layers", type=int, default=5, help="drafter decoder layers")
+p.add_argument("--target", default="qwen3.6-27b", help="target preset, random weights (target, drafter, sweep, "
+               "pair): qwen3.6-27b or qwen3.5-35b-a3b")
+p.add_argument("--drafter-layers", type=int, default=None, help="drafter decoder layers (default: z-lab's published "
+               "drafter for the target: 5 for the 27B, 6 for the 35B-A3B)")
 p.add_argument("--sliding-window", type=int, default=None, help="tokens per sliding drafter layer, all but the last "
-               "sliding (default 2048: the published Qwen3.6-27B layout); 0: all full attention")
+               "sliding (default: the published layout, 2048 for the 27B, 4096 for the 35B-A3B); 0: all full")
 p.add_argument("--steps", type=int, default=30, help="training steps per train.py run (the last 10 are timed)")
 p.add_argument("--timeout", type=float, default=600, help="seconds allowed for each train.py run")
 p.add_argument("--runs", default="one,pair", help="pair mode: which train.py runs (one: 1 GPU both roles; pair: 2 GPUs)")
@@ -85,6 +91,10 @@ def visible(dcfg, pos, anchors, keep):
     return {kind: (((q + 1).clamp(max=w) if w else full) * keep[:, None]).sum().item()
             for kind, w in dcfg.windows().items()}
 
+def per_expert(x, w, ends):
+    # target.expert_linear without the grouped GEMM: one matmul per expert (host sync for the split sizes)
+    return torch.cat([F.linear(xe, we) for xe, we in zip(x.split(ends.diff(prepend=ends[:1] * 0).tolist()), w)])
+
 def doc_pos(cu):
     # boundaries -> (document id, position in document) per token, on the GPU, as a packed row carries them
     return torch.repeat_interleave(torch.arange(len(cu) - 1), cu.diff()).to(dev), positions_from_cu(cu).to(dev)
@@ -102,6 +112,29 @@ if args.what == "check":
     errs = [rel(out[:, i], ref[:, i]) for i in range(4)]
     print(f"fla (bf16) vs torch (fp32) target features, 3 packed docs, per layer rel err: {['%.2e' % e for e in errs]}")
     assert max(errs) < 3e-2, "fla path disagrees with the torch path"
+    # the MoE target the same way (grouped GEMM in bf16 on the GPU, one matmul per expert in fp32 on the CPU), with
+    # top-k = all experts: bf16 router logits pick other experts than fp32 ones for a few % of tokens (near ties)
+    moe_cfg = TargetConfig(**{**vars(cfg), "num_experts": 8, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
+                              "shared_expert_intermediate_size": 512})
+    gpu = Target.build(moe_cfg, device=dev, dtype=torch.bfloat16)
+    cpu = Target.build(moe_cfg)
+    cpu.load_state_dict({k: v.float().cpu() for k, v in gpu.state_dict().items()})
+    ref = cpu.features(ids, cu, [0, 1, 2, 3]).view(2048, 4, -1)
+    out = gpu.features(ids.to(dev), cu, [0, 1, 2, 3]).view(2048, 4, -1).cpu()
+    errs = [rel(out[:, i], ref[:, i]) for i in range(4)]
+    print(f"MoE target, fla + grouped GEMM (bf16) vs torch (fp32), per layer rel err: {['%.2e' % e for e in errs]}")
+    assert max(errs) < 3e-2, "MoE target: GPU path disagrees with the torch path"
+    # the MoE block at the 35B-A3B shapes (uneven expert groups, some maybe empty): grouped GEMM against one
+    # matmul per expert, both bf16 from the same routing
+    a3b = TargetConfig.preset("qwen3.5-35b-a3b")
+    moe = Target.build(a3b, device=dev, dtype=torch.bfloat16, n_layers=1, head=False).layers[0].mlp
+    x = torch.randn(8192, a3b.hidden_size, device=dev, dtype=torch.bfloat16)
+    grouped, out = target_module.expert_linear, moe(x)
+    target_module.expert_linear = per_expert
+    err = rel(out, moe(x))
+    target_module.expert_linear = grouped
+    print(f"35B-A3B MoE block, 8192 tokens: grouped GEMM vs one matmul per expert (bf16): rel err {err:.2e}")
+    assert err < 1e-2, "torch._grouped_mm disagrees with the per-expert matmuls"
     # 2) the compiled flex BlockMask step against the dense-mask SDPA step (train.py's start-up self-check):
     # loss and every gradient, the published layout (sliding + full layers) and all full
     for window in (2048, 0):
@@ -114,11 +147,11 @@ if args.what == "check":
 
 elif args.what == "target":
     peak = matmul_peak()
-    cfg = TargetConfig.preset("qwen3.6-27b")
+    cfg = TargetConfig.preset(args.target)
     taps = DrafterConfig.from_target(cfg).target_layer_ids
     t0 = time.time()
     target = Target.build(cfg, device=dev, dtype=torch.bfloat16, n_layers=max(taps) + 1, head=False)
-    print(f"built qwen3.6-27b layers 0..{max(taps)} (random) in {time.time() - t0:.0f} s, "
+    print(f"built {args.target} layers 0..{max(taps)} (random) in {time.time() - t0:.0f} s, "
           f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB of weights")
     cu = row_cu(args.budget, args.docs)
     ids = torch.randint(0, cfg.vocab_size, (args.budget,), device=dev)
@@ -127,9 +160,22 @@ elif args.what == "target":
     fl = target.flops(cu, max(taps) + 1)
     print(f"target forward, {args.budget} tokens in {args.docs} docs, taps {taps}: {ms:.1f} ms, "
           f"{args.budget / ms * 1e3:.0f} tok/s, {fl / ms / 1e9:.0f} TFLOP/s, MFU {fl / (ms * 1e-3) / peak:.1%} "
-          f"(matmul peak {peak / 1e12:.0f} TFLOP/s), peak mem {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+          f"(matmul peak {peak / 1e12:.0f} TFLOP/s), peak mem {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB"
+          + (" [FLOPs on active parameters: 8 of 256 experts]" if cfg.num_experts else ""))
+    if cfg.num_experts:
+        # one MoE block over the row: the grouped GEMM against one matmul per expert (host sync for the split)
+        moe, x = target.layers[0].mlp, torch.randn(args.budget, cfg.hidden_size, device=dev, dtype=torch.bfloat16)
+        active = sum(p.numel() for n, p in moe.named_parameters() if ".experts." not in n)
+        active += (moe.experts.gate_up_proj.numel() + moe.experts.down_proj.numel()) * moe.top_k // cfg.num_experts
+        grouped = target_module.expert_linear
+        for name in ("grouped GEMM (torch._grouped_mm)", "one matmul per expert"):
+            ms = bench_ms(lambda: moe(x), 10)
+            print(f"  MoE block, {args.budget} tokens, {name}: {ms:.2f} ms, "
+                  f"{2 * args.budget * active / ms / 1e9:.0f} TFLOP/s (x {len(target.layers)} layers)")
+            target_module.expert_linear = per_expert
+        target_module.expert_linear = grouped
     # the full-attention kernel choice, measured at this shape
-    T, nh, nkv, hd = args.budget, 24, 4, 256
+    T, nh, nkv, hd = args.budget, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     q = torch.randn(nh, T, hd, device=dev, dtype=torch.bfloat16)
     k, v = torch.randn(2, nkv, T, hd, device=dev, dtype=torch.bfloat16)
     cl = cu.tolist()
@@ -160,7 +206,7 @@ elif args.what == "target":
 
 elif args.what in ("drafter", "sweep"):
     peak = matmul_peak()
-    tcfg = TargetConfig.preset("qwen3.6-27b")
+    tcfg = TargetConfig.preset(args.target)
     dcfg = DrafterConfig.from_target(tcfg, num_hidden_layers=args.drafter_layers, sliding_window=args.sliding_window)
     tgt = Target.build(tcfg, device=dev, dtype=torch.bfloat16, n_layers=0)      # embed_tokens + lm_head only
     torch.manual_seed(0)
@@ -227,13 +273,14 @@ elif args.what == "pair":
                 yield rng.integers(0, 248000, L).astype(np.uint32), (np.arange(L) >= L // 2).astype(np.uint8)
         write_dataset(os.path.join(data, "train"), samples(400), vocab_size=248320, force=True)
         write_dataset(os.path.join(data, "val"), samples(8), vocab_size=248320, force=True)
-    common = ["train.py", "--target", "qwen3.6-27b", "--data", data, "--anchors", str(args.anchors),
-              "--row-anchors", str(args.row_anchors), "--budget", str(args.budget),
-              "--drafter-layers", str(args.drafter_layers), "--max-steps", str(args.steps),
+    common = ["train.py", "--target", args.target, "--data", data, "--anchors", str(args.anchors),
+              "--row-anchors", str(args.row_anchors), "--budget", str(args.budget), "--max-steps", str(args.steps),
               "--log-interval", str(max(1, args.steps // 3)), "--eval-interval", "100000",
               "--save-interval", "100000", "--eval-rows", "1"]
     if args.sliding_window is not None:
         common += ["--sliding-window", str(args.sliding_window)]
+    if args.drafter_layers is not None:
+        common += ["--drafter-layers", str(args.drafter_layers)]
     runs = {"one": [sys.executable] + common, "pair": ["torchrun", "--nproc_per_node=2"] + common}
     recs = {}
     for name in args.runs.split(","):
@@ -258,7 +305,7 @@ elif args.what == "pair":
         if lines:   # steady state: the last full log window after the one that compiled (the final one may be short)
             recs[name] = lines[max(1, len(lines) - 2)] if len(lines) > 2 else lines[-1]
     peak = matmul_peak()
-    tcfg = TargetConfig.preset("qwen3.6-27b")
+    tcfg = TargetConfig.preset(args.target)
     dcfg = DrafterConfig.from_target(tcfg, num_hidden_layers=args.drafter_layers, sliding_window=args.sliding_window)
     with torch.device("meta"):
         tmeta, dmeta = Target(tcfg, n_layers=max(dcfg.target_layer_ids) + 1, head=False), Drafter(dcfg)
@@ -271,7 +318,7 @@ elif args.what == "pair":
         return dmeta.flops(S, N, visible(dcfg, pos, *sample_anchors(torch.ones(S, device=dev), doc, S, N)[:2]))
     print(f"\n{torch.cuda.get_device_name()} | torch {torch.__version__} | matmul peak {peak / 1e12:.0f} TFLOP/s | "
           f"--anchors {args.anchors} --row-anchors {args.row_anchors} --budget {S} | {args.mix} documents | "
-          f"drafter layers {args.drafter_layers} | {time.strftime('%Y-%m-%d')}")
+          f"target {args.target} | drafter layers {dcfg.layer_types} | {time.strftime('%Y-%m-%d')}")
     print("| measure | value |\n|---|---|")
     for name, r in recs.items():
         mfu_t = tfl / (r["ms_target"] * 1e-3) / peak

@@ -227,7 +227,8 @@ def main(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="tiny",
                     help="HF checkpoint dir of a Qwen3.5/3.6 model, "
-                    "or a preset: tiny, qwen3.6-27b (random weights)")
+                    "or a preset: tiny, qwen3.6-27b, qwen3.5-35b-a3b, qwen3.6-35b-a3b "
+                    "(random weights)")
     ap.add_argument("--drafter", required=True,
                     help="exported drafter dir (train.py's OUT/drafter, z-lab format), or `random` "
                     "for an untrained drafter of the default geometry (tau before training)")
@@ -261,8 +262,7 @@ def main(argv=None):
         if args.drafter == "random":      # train.py's default geometry, initialised on the device
             torch.manual_seed(args.seed)
             with torch.device(device):
-                drafter = Drafter(DrafterConfig.from_target(
-                    tcfg, n_feat=3 if tcfg.num_hidden_layers < 16 else 5))
+                drafter = Drafter(DrafterConfig.from_target(tcfg))
             drafter = drafter.to(dtype=dtype)
         elif not os.path.exists(os.path.join(args.drafter, "config.json")):
             raise ValueError(f"--drafter {args.drafter}: no config.json there; "

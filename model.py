@@ -174,6 +174,17 @@ def default_target_layer_ids(n_target_layers, n_feat):
 
 FULL, SLIDING = "full_attention", "sliding_attention"     # the layer kinds of HF layer_types a drafter has
 
+# z-lab's published drafters by target (layers, hidden size, routed experts); the rest of their geometry is
+# from_target's rule (32 heads of 128, 8 kv heads; intermediate the target's SwiGLU width)
+PUBLISHED_DRAFTERS = {
+    # z-lab/Qwen3.6-27B-DFlash (and Qwen3.5-27B): 4 x sliding 2048 + 1 full, taps [1, 16, 31, 46, 61]
+    (64, 5120, 0): dict(n_feat=5, num_hidden_layers=5, sliding_window=2048, mask_token_id=248070),
+    # z-lab/Qwen3.5-35B-A3B-DFlash and Qwen3.6-35B-A3B-DFlash (revision of June 2026): 5 x sliding 4096 + 1
+    # full, taps [1, 6, 11, 16, 22, 27, 32, 37], intermediate 6144, mask 248077
+    (40, 2048, 256): dict(n_feat=8, num_hidden_layers=6, sliding_window=4096, mask_token_id=248077,
+                          intermediate_size=6144),
+}
+
 @dataclass
 class DrafterConfig:
     hidden_size: int = 5120             # must equal the target's hidden size (block embeddings are the target's)
@@ -228,26 +239,30 @@ class DrafterConfig:
         return {t: self.sliding_window if t == SLIDING else 0 for t in sorted(set(self.layer_types))}
 
     @classmethod
-    def from_target(cls, t, n_feat=5, sliding_window=None, **overrides):
-        """sliding_window: tokens per sliding layer, all layers but the last sliding as in the published z-lab
-        drafters; 0 for all full attention; None: 2048 for the Qwen3.5/3.6-27B geometry (z-lab's
-        Qwen3.6-27B-DFlash: 4 x sliding 2048 + 1 full), else 0."""
+    def from_target(cls, t, n_feat=None, sliding_window=None, **overrides):
+        """Defaults: z-lab's published drafter for the target's geometry (PUBLISHED_DRAFTERS), else n_feat 3 taps
+        under 16 target layers (5 from 16 up) and 5 full-attention layers. sliding_window: tokens per sliding
+        layer, all layers but the last sliding as in the published drafters; 0 for all full attention."""
+        pub = PUBLISHED_DRAFTERS.get((t.num_hidden_layers, t.hidden_size, t.num_experts), {})
+        n_feat = n_feat or pub.get("n_feat", 3 if t.num_hidden_layers < 16 else 5)
         toy = t.hidden_size < 1024   # toy drafters (CPU demo) get small attention instead of 32 heads of 128
         known_mask = {248320: 248070, 151936: 151669}   # published z-lab mask ids for Qwen3.5/3.6 and Qwen3
-        kw = dict(hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
+        dense_width = 3 * t.hidden_size if t.num_experts else t.intermediate_size   # an MoE target has no SwiGLU
+        kw = dict(hidden_size=t.hidden_size, intermediate_size=pub.get("intermediate_size", dense_width),
+                  num_hidden_layers=pub.get("num_hidden_layers", cls.num_hidden_layers),
                   num_attention_heads=4 if toy else 32, num_key_value_heads=2 if toy else 8,
                   head_dim=16 if toy else 128,
                   target_layer_ids=default_target_layer_ids(t.num_hidden_layers, n_feat),
                   num_target_layers=t.num_hidden_layers,
-                  mask_token_id=known_mask.get(t.vocab_size, t.vocab_size - 1),
+                  mask_token_id=pub.get("mask_token_id", known_mask.get(t.vocab_size, t.vocab_size - 1)),
                   vocab_size=t.vocab_size, rope_theta=t.rope_theta, max_position_embeddings=t.max_position_embeddings,
                   rms_norm_eps=t.rms_norm_eps, tie_word_embeddings=t.tie_word_embeddings)
         kw.update({k: v for k, v in overrides.items() if v is not None})
         if sliding_window is None:
-            sliding_window = 2048 if (t.num_hidden_layers, t.hidden_size) == (64, 5120) else 0
+            sliding_window = pub.get("sliding_window", 0)
         if sliding_window < 0:
             raise ValueError(f"sliding window {sliding_window}: tokens, or 0 for all full attention")
-        L = kw.get("num_hidden_layers", cls.num_hidden_layers)
+        L = kw["num_hidden_layers"]
         if sliding_window and L > 1:
             kw.update(layer_types=[SLIDING] * (L - 1) + [FULL], sliding_window=sliding_window)
         return cls(**kw)

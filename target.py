@@ -184,7 +184,7 @@ MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "sh
 class TargetConfig:
     vocab_size: int = 248320            # embedding / lm_head rows (padded vocab)
     hidden_size: int = 5120             # d_model
-    intermediate_size: int = 17408      # SwiGLU width
+    intermediate_size: int = 17408      # SwiGLU width (dense targets; an MoE target has none)
     num_hidden_layers: int = 64         # decoder layers
     layer_types: list = None            # "linear_attention" (GDN) or "full_attention" per layer
     full_attention_interval: int = 4    # without layer_types: layer i is full attention iff (i+1) % 4 == 0
@@ -203,6 +203,10 @@ class TargetConfig:
     max_position_embeddings: int = 262144  # copied into the drafter config; YaRN's default original length
     tie_word_embeddings: bool = False   # lm_head shares embed_tokens
     fp8_block: list = None              # block-FP8 checkpoint: [rows, cols] of a weight_scale_inv block
+    num_experts: int = 0                # routed experts per layer (qwen3_5_moe); 0: a dense SwiGLU MLP
+    num_experts_per_tok: int = 8        # experts each token is routed to (top-k)
+    moe_intermediate_size: int = 512    # SwiGLU width of each routed expert
+    shared_expert_intermediate_size: int = 512  # SwiGLU width of the always-on shared expert
     init_std: float = 0.02              # random init of presets (no checkpoint)
 
     def __post_init__(self):
@@ -213,6 +217,9 @@ class TargetConfig:
         bad = set(self.layer_types) - {"full_attention", "linear_attention"}
         assert not bad, f"unsupported layer_types {bad}: this target supports Qwen3.5/3.6 hybrid layers only"
         assert len(self.layer_types) == self.num_hidden_layers, "layer_types must have one entry per layer"
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok}: must be 1..num_experts "
+                             f"({self.num_experts})")
 
     @classmethod
     def from_hf(cls, path):
@@ -223,22 +230,42 @@ class TargetConfig:
         with open(file) as f:
             cfg = json.load(f)
         arch = cfg.get("architectures", ["?"])[0]
-        if cfg.get("model_type") not in ("qwen3_5", "qwen3_5_text"):
+        if cfg.get("model_type") not in ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"):
             raise ValueError(f"{file}: model_type {cfg.get('model_type')!r} ({arch}) is not supported; "
-                             "this trainer's target is the Qwen3.5/Qwen3.6 hybrid (model_type qwen3_5)")
+                             "this trainer's target is the Qwen3.5/Qwen3.6 hybrid (model_type qwen3_5 or qwen3_5_moe)")
         text = cfg.get("text_config", cfg)
         def fail(field, value, why):
             raise ValueError(f"{file}: {field} = {value!r} is not supported: {why}")
-        kw = {**HF_TEXT_DEFAULTS, **{f.name: text[f.name] for f in fields(cls) if f.name in text}}
+        moe = cfg["model_type"].startswith("qwen3_5_moe")
+        given = {f.name: text[f.name] for f in fields(cls) if f.name in text}
+        # absent fields take transformers' defaults; a qwen3_5_moe config must give its MoE geometry
+        kw = given if moe else {**HF_TEXT_DEFAULTS, **given}
         # the multimodal model ties lm_head by the wrapper's flag, not text_config's (transformers 5.x
         # Qwen3_5ForConditionalGeneration); a text-only config reads its own. Both default to False.
         kw["tie_word_embeddings"] = cfg.get("tie_word_embeddings", False)
+        where = "text_config." if "text_config" in cfg else ""
+        # transformers' qwen3_5_moe: every layer is MoE and the top-k weights always sum to 1
+        moe_only = MOE_FIELDS + ("norm_topk_prob", "mlp_only_layers", "decoder_sparse_step")
         for field, ok, why in [
                 ("hidden_act", text.get("hidden_act", "silu") == "silu", "the MLP and the GDN conv use SiLU"),
                 ("attention_bias", not text.get("attention_bias", False), "the projections have no biases"),
-                *[(k, not text.get(k), "this target's MLPs are dense (no experts)") for k in MOE_FIELDS]]:
+                *[(where + k, moe or k not in text, f"an MoE field in a dense {cfg['model_type']} config; "
+                   "use model_type qwen3_5_moe or remove it") for k in moe_only],
+                *[(where + k, not moe or k in text, f"a qwen3_5_moe config needs {', '.join(MOE_FIELDS)}")
+                  for k in MOE_FIELDS],
+                (where + "norm_topk_prob", not moe or text.get("norm_topk_prob", True) is True,
+                 "qwen3_5_moe renormalises the top-k weights"),
+                (where + "mlp_only_layers", not moe or not text.get("mlp_only_layers"),
+                 "every layer of a qwen3_5_moe model is MoE"),
+                (where + "decoder_sparse_step", not moe or text.get("decoder_sparse_step", 1) == 1,
+                 "every layer of a qwen3_5_moe model is MoE")]:
             if not ok:
-                fail(field, text.get(field), why)
+                fail(field, text.get(field.split(".")[-1]), why)
+        if moe:
+            kw.setdefault("intermediate_size", 0)   # no dense SwiGLU (qwen3_5_moe configs have no such field)
+            if not 0 < kw["num_experts_per_tok"] <= kw["num_experts"]:
+                fail(where + "num_experts_per_tok", kw["num_experts_per_tok"],
+                     f"must be 1..num_experts ({kw['num_experts']})")
         types = text.get("layer_types")
         if types is not None:
             bad = [t for t in types if t not in ("full_attention", "linear_attention")]
@@ -308,6 +335,11 @@ class TargetConfig:
     def preset(cls, name):
         presets = {
             "qwen3.6-27b": dict(),   # the defaults above are the exact 27B geometry
+            # Qwen3.5-35B-A3B and Qwen3.6-35B-A3B (one geometry): 40 layers, 256 experts, top-8 + shared expert
+            **dict.fromkeys(["qwen3.5-35b-a3b", "qwen3.6-35b-a3b"], dict(
+                hidden_size=2048, intermediate_size=0, num_hidden_layers=40, num_attention_heads=16,
+                num_key_value_heads=2, linear_num_value_heads=32, num_experts=256, num_experts_per_tok=8,
+                moe_intermediate_size=512, shared_expert_intermediate_size=512)),
             # a few-layer toy with the same structure, for CPU tests and the demo
             "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
@@ -414,6 +446,45 @@ class GatedDeltaNet(nn.Module):
             o = (self.norm(o).float() * F.silu(z.float())).to(x.dtype)
         return self.out_proj(o.reshape(T, -1))
 
+def expert_linear(x, w, ends):
+    """x [P, in]: rows grouped by expert, in expert order (expert e's end at row ends[e]); w [E, out, in]
+    -> [P, out]"""
+    if x.dtype == torch.bfloat16 and w.shape[1] % 8 == 0 and w.shape[2] % 8 == 0:
+        # one grouped GEMM over all experts (CUTLASS on sm90+); the offsets stay on the device: no host sync
+        return torch._grouped_mm(x, w.transpose(1, 2), offs=ends.to(torch.int32))
+    # rows not 16-byte aligned (toy sizes) or fp32: one matmul per expert on its contiguous slice
+    sizes = ends.diff(prepend=ends.new_zeros(1)).tolist()
+    return torch.cat([F.linear(xe, we) for xe, we in zip(x.split(sizes), w)])
+
+class MoE(nn.Module):
+    """Qwen3.5/3.6 sparse MoE MLP (transformers' Qwen3_5MoeSparseMoeBlock): softmax router over all experts in
+    fp32, top-k renormalised to sum to 1; SwiGLU experts stored fused as 3-D tensors (as the official
+    checkpoints store them); plus a shared SwiGLU expert scaled by sigmoid(shared_expert_gate(x))."""
+    def __init__(self, c):
+        super().__init__()
+        E, H, I = c.num_experts, c.hidden_size, c.moe_intermediate_size
+        self.top_k = c.num_experts_per_tok
+        self.gate = nn.Linear(H, E, bias=False)                              # the router
+        self.experts = nn.Module()
+        self.experts.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))  # per expert: [gate rows | up rows]
+        self.experts.down_proj = nn.Parameter(torch.empty(E, H, I))
+        self.shared_expert = MLP(H, c.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(H, 1, bias=False)
+
+    def forward(self, x):
+        T, k, E = x.shape[0], self.top_k, self.gate.out_features
+        probs = self.gate(x).float().softmax(-1)                 # logits in the model dtype, softmax in fp32
+        w, idx = probs.topk(k, dim=-1)                           # [T, k]
+        w = (w / w.sum(-1, keepdim=True)).to(x.dtype)
+        # the T*k (token, slot) pairs sorted by expert: every expert's rows are one contiguous slice
+        expert, order = idx.flatten().sort(stable=True)          # [T*k]
+        ends = torch.searchsorted(expert, torch.arange(1, E + 1, device=x.device))   # [E] (bincount would sync)
+        gate, up = expert_linear(x[order // k], self.experts.gate_up_proj, ends).chunk(2, dim=-1)
+        out = expert_linear(F.silu(gate) * up, self.experts.down_proj, ends)     # [T*k, H], sorted
+        out = torch.empty_like(out).index_copy_(0, order, out).view(T, k, -1)     # back to (token, slot)
+        routed = torch.bmm(w[:, None, :], out)[:, 0]             # weighted sum over the k slots, fp32 accumulate
+        return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
 class TargetLayer(nn.Module):
     def __init__(self, c, kind):
         super().__init__()
@@ -424,7 +495,7 @@ class TargetLayer(nn.Module):
             self.self_attn = GatedAttention(c)
         else:
             self.linear_attn = GatedDeltaNet(c)
-        self.mlp = MLP(c.hidden_size, c.intermediate_size)
+        self.mlp = MoE(c) if c.num_experts else MLP(c.hidden_size, c.intermediate_size)
 
     def forward(self, h, rope, cu, cu_list):
         mixer = self.self_attn if self.kind == "full_attention" else self.linear_attn
@@ -495,7 +566,7 @@ class Target(nn.Module):
                 t.zero_()                                               # zero-centred norms: scale 1 + 0
             else:   # embeddings N(0, 1) as nn.Embedding's default, so a random target's text is mostly a
                 # function of the last tokens (learnable: the demo's teacher); GPT-2's residual scaling on outputs
-                out = name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight"))
+                out = name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight", "down_proj"))
                 std = 1.0 if name == "embed_tokens.weight" else config.init_std
                 seeded_init_(name, t, std / (2 * config.num_hidden_layers) ** 0.5 if out else std)
             state[name] = t
@@ -525,26 +596,38 @@ class Target(nn.Module):
         prefix = "model.language_model." if multimodal else "model."
         with torch.device("meta"):
             model = cls(config, n_layers, head)
-        wanted = {}   # shard file -> [(our name, checkpoint key, meta parameter)]
+        wanted = {}   # shard file -> [(our name, checkpoint key, expected shape)]
+        keys_of = {}  # our name -> its checkpoint keys (several: experts stored one tensor per expert)
         for name, p in model.named_parameters():
             key = "lm_head.weight" if name == "lm_head.weight" else prefix + name
             if key == "lm_head.weight" and config.tie_word_embeddings:
                 key = prefix + "embed_tokens.weight"
-            if key not in where:
-                raise KeyError(f"{path}: tensor {key} (for {name}) is missing from the checkpoint index/file")
-            wanted.setdefault(where[key], []).append((name, key, p))
-        state = {}
+            keys, shape = [key], tuple(p.shape)
+            if key not in where and name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                # the official checkpoints store each layer's experts fused, [E, 2I, H] and [E, H, I], like our
+                # parameters; transformers' save_pretrained writes experts.{e}.{gate,up,down}_proj.weight: stacked
+                projs = ("gate_proj", "up_proj") if name.endswith("gate_up_proj") else ("down_proj",)
+                keys = [f"{key.rsplit('.', 1)[0]}.{e}.{proj}.weight" for e in range(p.shape[0]) for proj in projs]
+                shape = (p.shape[1] // len(projs), p.shape[2])
+            for k in keys:
+                if k not in where:
+                    also = f" (nor {key})" if k != key else ""
+                    raise KeyError(f"{path}: tensor {k}{also} (for {name}) is missing from the checkpoint "
+                                   "index/file")
+                wanted.setdefault(where[k], []).append((name, k, shape))
+            keys_of[name] = keys
+        tensors = {}
         for file, items in wanted.items():   # one shard open at a time: host memory stays near one shard
             file = os.path.join(path, file)
             with safe_open(file, "pt", device=str(device)) as f:
                 present = set(f.keys())
-                for name, key, p in items:
+                for name, key, shape in items:
                     if key not in present:
                         raise KeyError(f"{file}: tensor {key} listed in the index is not in this file")
                     t = f.get_tensor(key)
-                    if tuple(t.shape) != tuple(p.shape):
+                    if tuple(t.shape) != shape:
                         raise ValueError(f"{file}: tensor {key} has shape {tuple(t.shape)}, "
-                                         f"expected {tuple(p.shape)} from config.json")
+                                         f"expected {shape} from config.json")
                     out = torch.float32 if name.endswith(("A_log", "dt_bias")) else dtype
                     scale_key = key + "_scale_inv"   # FP8 tensors come with their block scales
                     if scale_key in where or (t.is_floating_point() and t.element_size() == 1):
@@ -562,7 +645,14 @@ class Target(nn.Module):
                             with safe_open(scale_file, "pt", device=str(device)) as g:
                                 scale = g.get_tensor(scale_key)
                         t = dequantize_fp8(t, scale, config.fp8_block, out, f"{scale_file}: {scale_key}")
-                    state[name] = t.to(out)
+                    tensors[key] = t.to(out)
+        state = {}
+        for name, p in model.named_parameters():
+            keys = keys_of[name]
+            if len(keys) == 1:
+                state[name] = tensors[keys[0]]      # (a tied lm_head reads the same key as embed_tokens)
+            else:   # per-expert tensors, freed as they are stacked: [E (x2 gate, up), rows, cols] -> p's shape
+                state[name] = torch.stack([tensors.pop(k) for k in keys]).view(p.shape)
         model.load_state_dict(state, assign=True)
         return model
 
@@ -611,7 +701,11 @@ class Target(nn.Module):
     def flops(self, cu_seqlens, n_layers):
         """Matmul FLOPs of a forward through layers [0, n_layers) over one packed row (for MFU)."""
         c, T = self.config, int(cu_seqlens[-1])
-        linear = sum(p.numel() for n, p in self.layers[:n_layers].named_parameters() if p.dim() == 2)
+        params = list(self.layers[:n_layers].named_parameters())
+        linear = sum(p.numel() for n, p in params if p.dim() == 2)
+        # routed experts: each token runs top_k of them (active parameters); router and shared expert are in linear
+        experts = sum(p.numel() for n, p in params if ".experts." in n)
+        linear += experts * c.num_experts_per_tok // max(c.num_experts, 1)
         lens = (cu_seqlens[1:] - cu_seqlens[:-1]).double()
         n_full = sum(c.layer_types[i] == "full_attention" for i in range(n_layers))
         causal_pairs = float((lens * (lens + 1) / 2).sum())

@@ -188,10 +188,9 @@ def test_packed_documents_equal_separate_runs():
 # -----------------------------------------------------------------------------
 # matches Hugging Face transformers' Qwen3.5 (its torch fallback path on CPU)
 
-def hf_qwen3_5():
+def hf_qwen3_5(name="transformers.models.qwen3_5.modeling_qwen3_5"):
     """transformers' Qwen3.5 modeling module, imported with fla and causal_conv1d hidden: it binds
     those kernels at import time when installed, and their Triton kernels can't run on CPU tensors."""
-    name = "transformers.models.qwen3_5.modeling_qwen3_5"
     if name not in sys.modules:
         saved = {m: sys.modules.get(m) for m in ("fla", "causal_conv1d")}
         try:
@@ -522,7 +521,7 @@ def test_shape_mismatch(small_ckpts, tmp_path, layout):
 
 
 @pytest.mark.parametrize("arch,model_type", [("Qwen3NextForCausalLM", "qwen3_next"), ("LlamaForCausalLM", "llama"),
-                                             ("Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe")])
+                                             ("Qwen3MoeForCausalLM", "qwen3_moe")])
 def test_unsupported_model_type(small_ckpts, tmp_path, arch, model_type):
     c = small_ckpts
     write_text_only(str(tmp_path), c["cfg"], c["sd"])
@@ -2491,7 +2490,8 @@ BAD_CONFIGS = [
     (lambda j: j["text_config"]["layer_types"].__setitem__(2, "sliding_attention"),
      "layer_types = 'sliding_attention'"),
     (lambda j: j["text_config"]["layer_types"].pop(), "layer_types = '5 entries'"),
-    (lambda j: j["text_config"].update(num_experts=8, num_experts_per_tok=2), "num_experts = 8"),
+    (lambda j: j["text_config"].update(num_experts=8, num_experts_per_tok=2),
+     "text_config.num_experts = 8"),
     (lambda j: j.update(quantization_config={"quant_method": "gptq", "bits": 4}),
      "quantization_config.quant_method = 'gptq'"),
     (lambda j: j.update(quantization_config={"quant_method": "fp8", "activation_scheme": "dynamic"}),
@@ -2514,3 +2514,290 @@ def test_unsupported_config_fields(small_ckpts, tmp_path, edit, expected):
         msg = str(e.value)
         assert msg.startswith(f"{tmp_path / 'config.json'}: {expected}") and "is not supported" in msg, msg
         assert "\n" not in msg
+
+# target.py: the MoE target (qwen3_5_moe: Qwen3.5-35B-A3B, Qwen3.6-35B-A3B)
+
+MOE_HF = "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe"
+
+
+def hf_moe_model(seed, experts=7, top_k=3):
+    """transformers' Qwen3_5MoeForCausalLM at odd sizes (no dimension a multiple of 8: the per-expert path)."""
+    hf = hf_qwen3_5(MOE_HF)
+    cfg = hf.Qwen3_5MoeTextConfig(
+        vocab_size=300, hidden_size=36, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=24, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=12,
+        linear_value_head_dim=10, linear_conv_kernel_dim=4, moe_intermediate_size=20,
+        shared_expert_intermediate_size=28, num_experts=experts, num_experts_per_tok=top_k,
+        max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25,
+                             mrope_section=[1, 1, 1], mrope_interleaved=True),
+        attn_implementation="eager")
+    assert cfg.layer_types == [LIN, LIN, LIN, FULL]
+    m = hf.Qwen3_5MoeForCausalLM(cfg).eval()
+    return randomize_(m, seed)
+
+
+def moe_routing(m, ids):
+    """Per layer, HF's top-k expert ids [T, k] and the shared-expert gate [T] on one document."""
+    seen = []
+    def hook(mod, args, out):
+        x = args[0].reshape(-1, args[0].shape[-1])
+        seen.append((mod.gate(x)[2], torch.sigmoid(mod.shared_expert_gate(x))[:, 0]))
+    hooks = [layer.mlp.register_forward_hook(hook) for layer in m.model.layers]
+    try:
+        hf_run(m, ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
+
+
+@pytest.fixture(scope="module")
+def moe_pair(tmp_path_factory):
+    m = hf_moe_model(seed=11)
+    path = str(tmp_path_factory.mktemp("hf_moe"))
+    m.save_pretrained(path)
+    with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    # transformers 5.24 writes one tensor per expert; the official checkpoints have them fused (tested below)
+    assert "model.layers.0.mlp.experts.6.up_proj.weight" in keys
+    assert not any(k.endswith("experts.gate_up_proj") for k in keys)
+    ours = Target.from_pretrained(path, dtype=torch.float32)
+    return m, ours, path
+
+
+def test_moe_config_from_hf(moe_pair):
+    m, ours, _ = moe_pair
+    c = ours.config
+    assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.shared_expert_intermediate_size) == \
+        (7, 3, 20, 28)
+    assert type(ours.layers[0].mlp).__name__ == "MoE" and c.intermediate_size == 0
+    for i, layer in enumerate(ours.layers):      # the stacked per-expert tensors == HF's fused parameters
+        assert torch.equal(layer.mlp.experts.gate_up_proj, m.model.layers[i].mlp.experts.gate_up_proj)
+        assert torch.equal(layer.mlp.experts.down_proj, m.model.layers[i].mlp.experts.down_proj)
+
+
+def test_moe_matches_hf_single_document(moe_pair):
+    m, ours, _ = moe_pair
+    ids = torch.randint(0, 300, (150,), generator=torch.Generator().manual_seed(12))
+    cu = cu_of([150])
+    # the test exercises routing: every expert is used, tokens disagree, the shared expert's gate is neither 0 nor 1
+    for idx, shared in moe_routing(m, ids):
+        assert idx.shape == (150, 3) and len(idx.unique()) == 7
+        assert len({tuple(r) for r in idx.sort(-1)[0].tolist()}) > 10        # many different expert sets
+        assert 0.02 < shared.min() and shared.max() < 0.98 and shared.std() > 0.05
+    hs, logits = hf_run(m, ids)
+    feats = ours.features(ids, cu, [0, 1, 2, 3])
+    for i in range(4):
+        assert rel_err(feats[:, i * 36:(i + 1) * 36], hs[i]) < 1e-4, f"layer {i}"
+    assert rel_err(ours.logits(ids, cu), logits) < 1e-4, "logits"
+
+
+def test_moe_matches_hf_packed_documents(moe_pair):
+    m, ours, _ = moe_pair
+    gen = torch.Generator().manual_seed(13)
+    lens = [45, 100, 31]
+    docs = [torch.randint(0, 300, (n,), generator=gen) for n in lens]
+    ids, cu = torch.cat(docs), cu_of(lens)
+    feats, logits = ours.features(ids, cu, [0, 1, 2, 3]), ours.logits(ids, cu)
+    for d, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        hs, ref_logits = hf_run(m, docs[d])
+        assert rel_err(feats[s:e], torch.cat(hs, -1)) < 1e-4, f"doc {d} hidden states"
+        assert rel_err(logits[s:e], ref_logits) < 1e-4, f"doc {d} logits"
+
+
+def moe_official_config(text):
+    """The official Qwen3_5MoeForConditionalGeneration config.json: MoE fields in text_config, no SwiGLU width."""
+    text = {k: v for k, v in text.items() if k != "intermediate_size"}
+    text.update(model_type="qwen3_5_moe_text", num_experts=7, num_experts_per_tok=3, moe_intermediate_size=20,
+                shared_expert_intermediate_size=28, router_aux_loss_coef=0.001, output_router_logits=False)
+    return text
+
+
+def test_moe_official_fused_layout(moe_pair, tmp_path):
+    # official layout: model.language_model.layers.N.mlp.experts.{gate_up_proj [E, 2I, H], down_proj [E, H, I]}
+    # (no .weight), vision + MTP tensors skipped, sharded; loads to exactly the tensors of the per-expert layout
+    _, ours, _ = moe_pair
+    sd = {n: p.detach().clone() for n, p in ours.state_dict().items()}
+    write_official(str(tmp_path), ours.config, sd)
+    with open(tmp_path / "config.json") as f:
+        cfg = json.load(f)
+    cfg.update(architectures=["Qwen3_5MoeForConditionalGeneration"], model_type="qwen3_5_moe",
+               text_config=moe_official_config(cfg["text_config"]))
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(cfg, f)
+    with open(tmp_path / "model.safetensors.index.json") as f:
+        wm = json.load(f)["weight_map"]
+    assert wm["model.language_model.layers.3.mlp.experts.gate_up_proj"]
+    assert not any(".experts.0." in k for k in wm)
+    t = Target.from_pretrained(str(tmp_path), dtype=torch.float32)
+    assert TargetConfig.from_hf(str(tmp_path)).num_experts == 7
+    got = t.state_dict()
+    assert set(got) == set(sd)
+    for n, v in sd.items():
+        assert torch.equal(got[n], v), n
+    ids, cu = torch.randint(0, 300, (60,), generator=torch.Generator().manual_seed(14)), cu_of([25, 35])
+    assert torch.equal(t.logits(ids, cu), ours.logits(ids, cu))
+    # bf16 load, partial build (a target rank)
+    h = Target.from_pretrained(str(tmp_path), dtype=torch.bfloat16, n_layers=2, head=False)
+    assert h.layers[1].mlp.experts.gate_up_proj.dtype == torch.bfloat16 and len(h.layers) == 2
+
+
+def test_moe_missing_expert_tensor(moe_pair, tmp_path):
+    _, _, path = moe_pair
+    from safetensors.torch import load_file
+    sd = load_file(os.path.join(path, "model.safetensors"))
+    del sd["model.layers.2.mlp.experts.4.up_proj.weight"]
+    save_file(sd, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json")) as f, open(tmp_path / "config.json", "w") as g:
+        g.write(f.read())
+    with pytest.raises(KeyError) as e:
+        Target.from_pretrained(str(tmp_path), dtype=torch.float32)
+    msg = str(e.value)
+    assert "model.layers.2.mlp.experts.4.up_proj.weight" in msg and "experts.gate_up_proj" in msg
+    assert str(tmp_path) in msg
+
+
+@pytest.mark.parametrize("edit,field", [
+    (dict(num_experts=8), "text_config.num_experts"),                         # MoE field in a dense config
+    (dict(norm_topk_prob=True), "text_config.norm_topk_prob"),
+    ("moe:-moe_intermediate_size", "text_config.moe_intermediate_size"),     # MoE config missing a field
+    ("moe:norm_topk_prob=false", "text_config.norm_topk_prob"),
+    ("moe:mlp_only_layers=[0]", "mlp_only_layers"),
+    ("moe:decoder_sparse_step=2", "decoder_sparse_step"),
+    ("moe:num_experts_per_tok=9", "num_experts_per_tok"),
+])
+def test_moe_config_errors(tmp_path, edit, field):
+    text = text_config_json(TargetConfig(**SMALL))
+    model_type = "qwen3_5"
+    if isinstance(edit, dict):
+        text.update(edit)
+    else:
+        model_type, text = "qwen3_5_moe", moe_official_config(text)
+        change = edit.split(":")[1]
+        if change.startswith("-"):
+            del text[change[1:]]
+        else:
+            k, v = change.split("=")
+            text[k] = json.loads(v)
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump({"model_type": model_type, "architectures": ["X"], "text_config": text}, f)
+    with pytest.raises(ValueError) as e:
+        TargetConfig.from_hf(str(tmp_path))
+    msg = str(e.value)
+    assert field in msg and str(tmp_path) in msg and len(msg.splitlines()) == 1
+
+
+def moe_block(dtype, E=6, k=3, H=32, I=16, Is=24, seed=15):
+    """Our MoE block alone with random weights (aligned sizes: rows of 16 bytes in bf16 and fp32)."""
+    c = TargetConfig(hidden_size=H, num_experts=E, num_experts_per_tok=k, moe_intermediate_size=I,
+                     shared_expert_intermediate_size=Is)
+    block = importlib.import_module("target").MoE(c)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+    return block.to(dtype)
+
+
+def test_moe_grouped_mm_path(monkeypatch):
+    # bf16 with aligned sizes takes torch._grouped_mm (one grouped GEMM, on-device offsets); it must equal one
+    # matmul per expert, also when an expert gets no token (the GPU fast path is checked by bench.py check)
+    tgt = importlib.import_module("target")
+    calls = []
+    real = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    g = torch.Generator().manual_seed(16)
+    w = torch.randn(5, 24, 16, generator=g).bfloat16()
+    counts = torch.tensor([3, 0, 7, 1, 4])
+    x = torch.randn(15, 16, generator=g).bfloat16()
+    got = tgt.expert_linear(x, w, counts.cumsum(0))
+    assert len(calls) == 1
+    ref = torch.cat([F.linear(xe.float(), we.float()) for xe, we in zip(x.split(counts.tolist()), w)])
+    assert rel_err(got, ref) < 1e-2
+    # the whole block in bf16 (grouped) against fp32 (per expert)
+    calls.clear()
+    x = torch.randn(200, 32, generator=g)
+    ref = moe_block(torch.float32)(x)
+    assert not calls
+    got = moe_block(torch.bfloat16)(x.bfloat16())
+    assert len(calls) == 2 and rel_err(got, ref) < 3e-2
+
+
+def test_moe_flops_count_active_parameters():
+    # Target.flops' MLP part == the matmul FLOPs a forward of every MoE block really runs (top-k of the experts)
+    cfg = dict(vocab_size=300, hidden_size=36, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+               head_dim=24, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=12,
+               linear_value_head_dim=10, moe_intermediate_size=20, shared_expert_intermediate_size=28,
+               num_experts=7, num_experts_per_tok=3)
+    t = randomize_(Target.build(TargetConfig(**cfg)), 17)
+    twin = Target.build(TargetConfig(**{**cfg, "num_experts": 0, "intermediate_size": 0}))   # no MLP at all
+    T = 90
+    x = torch.randn(T, 36, generator=torch.Generator().manual_seed(18))
+    with FlopCounterMode(display=False) as fc:
+        for layer in t.layers:
+            layer.mlp(x)
+    counts = {str(op): n for op, n in fc.get_flop_counts()["Global"].items()}
+    combine = counts.pop("aten.bmm")            # the weighted sum of the k expert outputs: no parameters
+    assert combine == 4 * 2 * T * 3 * 36
+    cu = cu_of([40, 50])
+    assert t.flops(cu, 4) - twin.flops(cu, 4) == sum(counts.values())
+    assert sum(counts.values()) == 4 * 2 * T * (7 * 36 + 36 + 3 * 36 * 28 + 3 * 3 * 36 * 20)
+
+
+def test_moe_35b_a3b_preset():
+    # Qwen3.5-35B-A3B / Qwen3.6-35B-A3B text model: 40 layers (10 x (3 GDN + 1 attention)), hidden 2048,
+    # 16 q / 2 kv heads of 256, GDN 16 qk / 32 v heads of 128, 256 experts (top 8) of width 512 + shared 512
+    a, b = TargetConfig.preset("qwen3.5-35b-a3b"), TargetConfig.preset("qwen3.6-35b-a3b")
+    assert a == b
+    assert (a.num_hidden_layers, a.hidden_size, a.vocab_size, a.head_dim) == (40, 2048, 248320, 256)
+    assert (a.num_attention_heads, a.num_key_value_heads, a.linear_num_key_heads, a.linear_num_value_heads) == \
+        (16, 2, 16, 32)
+    assert (a.num_experts, a.num_experts_per_tok, a.moe_intermediate_size, a.shared_expert_intermediate_size) == \
+        (256, 8, 512, 512)
+    assert [i for i, t in enumerate(a.layer_types) if t == FULL] == list(range(3, 40, 4))
+    with torch.device("meta"):
+        m = Target(a)
+    assert len(m.state_dict()) == 693       # 30*18 + 10*15 + embed, norm, lm_head: the official index's text keys
+    shapes = {n: tuple(p.shape) for n, p in m.named_parameters()}
+    assert shapes["layers.0.mlp.experts.gate_up_proj"] == (256, 1024, 2048)
+    assert shapes["layers.39.mlp.experts.down_proj"] == (256, 2048, 512)
+    assert shapes["layers.0.mlp.gate.weight"] == (256, 2048)
+    assert shapes["layers.0.mlp.shared_expert_gate.weight"] == (1, 2048)
+    assert shapes["layers.0.linear_attn.in_proj_qkv.weight"] == (8192, 2048)
+    assert shapes["layers.3.self_attn.q_proj.weight"] == (8192, 2048)
+    total = sum(p.numel() for p in m.parameters())
+    assert total == 34_660_610_688          # + vision tower and MTP head: the "35B"
+    experts = sum(p.numel() for n, p in m.named_parameters() if ".experts." in n)
+    assert experts == 40 * 256 * 3 * 512 * 2048
+    # active per token, the "A3B": embed + head 1,017,118,720, GDN 30 x 33,718,464, attention 10 x 27,263,488,
+    # router + shared expert 40 x 3,672,064, norms 165,888, and 8 of 256 experts 1,006,632,960
+    assert total - experts + experts * 8 // 256 == 3_454_988_928
+    # FLOPs of a forward through the 38 layers the drafter taps: the MLP part counts the active parameters
+    # (router, shared expert and its gate, 8 of 256 experts), twice per token
+    twin = TargetConfig(**{**vars(a), "num_experts": 0, "intermediate_size": 0})
+    with torch.device("meta"):
+        dense = Target(twin, n_layers=38, head=False)
+    cu = cu_of([3000, 5192])
+    per_token = 256 * 2048 + 3 * 512 * 2048 + 2048 + 8 * 3 * 512 * 2048
+    assert m.flops(cu, 38) - dense.flops(cu, 38) == 2 * 8192 * 38 * per_token
+
+
+def test_moe_35b_a3b_drafter_defaults():
+    # z-lab/Qwen3.5-35B-A3B-DFlash and z-lab/Qwen3.6-35B-A3B-DFlash (nested-dflash_config revision, June 2026)
+    published = {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": 2048, "num_hidden_layers": 6,
+        "intermediate_size": 6144, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+        "rms_norm_eps": 1e-6, "vocab_size": 248320, "max_position_embeddings": 262144, "tie_word_embeddings": False,
+        "num_target_layers": 40, "sliding_window": 4096, "use_sliding_window": True, "max_window_layers": 6,
+        "layer_types": [model.SLIDING] * 5 + [FULL],
+        "dflash_config": {"block_size": 16, "mask_token_id": 248077,
+                          "target_layer_ids": [1, 6, 11, 16, 22, 27, 32, 37]},
+        "rope_parameters": {"rope_theta": 10_000_000.0, "rope_type": "default"}}
+    c = DrafterConfig.from_target(TargetConfig.preset("qwen3.6-35b-a3b"))
+    assert c == model.config_from_json(published)
+    assert DrafterConfig.from_target(TargetConfig.preset("qwen3.5-35b-a3b"), sliding_window=0, n_feat=5,
+                                     num_hidden_layers=8).target_layer_ids == [1, 10, 19, 28, 37]   # the legacy one
+    with torch.device("meta"):
+        d = Drafter(c)
+    assert d.fc.weight.shape == (2048, 8 * 2048)

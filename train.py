@@ -37,11 +37,15 @@ group.add_argument("--generate-prompts", type=int, default=0,
 group.add_argument("--generate-tokens", type=int, default=64,
                    help="new tokens per --generate-prompts prompt")
 group = parser.add_argument_group("models")
-group.add_argument("--target", default="tiny", help="HF checkpoint dir of a Qwen3.5/3.6 model, "
-                   "or a preset: tiny, qwen3.6-27b (random weights)")
-group.add_argument("--drafter-layers", type=int, default=5, help="drafter decoder layers")
+group.add_argument("--target", default="tiny", help="HF checkpoint dir of a Qwen3.5/3.6 model "
+                   "(dense or MoE), or a preset: tiny, qwen3.6-27b, qwen3.5-35b-a3b, qwen3.6-35b-a3b "
+                   "(random weights)")
+group.add_argument("--drafter-layers", type=int, default=None,
+                   help="drafter decoder layers (default: z-lab's published drafter for the target: "
+                   "5 for the 27B, 6 for the 35B-A3B; else 5)")
 group.add_argument("--n-feat", type=int, default=None,
-                   help="tapped target layers (default 5; 3 for the tiny target)")
+                   help="tapped target layers (default: the published drafter's, 5 for the 27B, 8 for "
+                   "the 35B-A3B; else 5, 3 under 16 target layers)")
 group.add_argument("--block-size", type=int, default=16,
                    help="tokens per draft block: the anchor + block-size-1 drafted tokens")
 group.add_argument("--mask-token-id", type=int, default=None,
@@ -51,7 +55,8 @@ group.add_argument("--init-drafter", default=None, help="start from a z-lab form
 group.add_argument("--sliding-window", type=int, default=None,
                    help="tokens a sliding-window drafter layer sees (its own position included); "
                    "all layers but the last slide, as in z-lab's published drafters; 0: all full "
-                   "attention (default: 2048 for a Qwen3.6-27B-geometry target, else 0)")
+                   "attention (default: the published drafter's, 2048 for the 27B, 4096 for the "
+                   "35B-A3B; else 0)")
 group = parser.add_argument_group("optimization")
 group.add_argument("--anchors", type=int, default=16, help="draft blocks per document (sample) "
                    "and step, at most: the recipe's 512 per sample")
@@ -202,14 +207,14 @@ try:
     tcfg = TargetConfig.preset(args.target) if preset else TargetConfig.from_hf(args.target)
 except (ValueError, OSError) as e:   # an unknown preset, an unreadable or unsupported config.json
     sys.exit(f"error: --target {args.target}: {e}")
-n_feat = args.n_feat or (3 if tcfg.num_hidden_layers < 16 else 5)
 try:
-    dcfg = DrafterConfig.from_target(tcfg, n_feat=n_feat, num_hidden_layers=args.drafter_layers,
+    dcfg = DrafterConfig.from_target(tcfg, n_feat=args.n_feat, num_hidden_layers=args.drafter_layers,
                                      block_size=block_size, mask_token_id=args.mask_token_id,
                                      sliding_window=args.sliding_window)
 except ValueError as e:
     sys.exit(f"error: --sliding-window {args.sliding_window}: {e}")
 taps = dcfg.target_layer_ids
+n_feat = len(taps)
 tdtype = torch.bfloat16 if cuda else torch.float32
 most_anchors = min(budget - 1, 4 * budget // block_size)
 start_checks = [
@@ -544,10 +549,11 @@ def unpack_metrics(packed):
 
 log_file = open(os.path.join(args.out, "log.jsonl"), "a") if rank == log_rank else None
 def log(record, line):
-    print0(line)
+    # the record first: a step a user saw on screen is on disk too, whatever kills the job next
     if log_file:
         log_file.write(json.dumps(record) + "\n")
         log_file.flush()
+    print0(line)
 
 params = list(drafter.parameters())
 train_sums = torch.zeros(sum(METRICS.values()), device=device)
