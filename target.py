@@ -249,7 +249,7 @@ class TargetConfig:
         for field, ok, why in [
                 ("hidden_act", text.get("hidden_act", "silu") == "silu", "the MLP and the GDN conv use SiLU"),
                 ("attention_bias", not text.get("attention_bias", False), "the projections have no biases"),
-                *[(where + k, moe or k not in text, f"an MoE field in a dense {cfg['model_type']} config; "
+                *[(where + k, moe or not text.get(k), f"an MoE field in a dense {cfg['model_type']} config; "
                    "use model_type qwen3_5_moe or remove it") for k in moe_only],
                 *[(where + k, not moe or k in text, f"a qwen3_5_moe config needs {', '.join(MOE_FIELDS)}")
                   for k in MOE_FIELDS],

@@ -408,7 +408,9 @@ def test_bad_target_checkpoint_is_one_line(tmp_path):
     from safetensors.torch import save_file
     demo = demo_data()
     cfg = TargetConfig.preset("tiny")
-    text = {k: v for k, v in asdict(cfg).items() if k not in ("init_std", "fp8_block", "rope_scaling")}
+    ours = ("init_std", "fp8_block", "rope_scaling", "num_experts", "num_experts_per_tok",
+            "moe_intermediate_size", "shared_expert_intermediate_size")   # not fields of a dense HF config
+    text = {k: v for k, v in asdict(cfg).items() if k not in ours}
     text.update(model_type="qwen3_5_text", architectures=["Qwen3_5ForCausalLM"], hidden_act="silu")
     sd = Target.build(cfg).state_dict()
     del sd["layers.1.mlp.up_proj.weight"]
