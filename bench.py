@@ -1,22 +1,29 @@
 """
 GPU checks and measurements (needs CUDA and fla-core; not part of the CPU test suite).
 
-  python bench.py check                      # fla target == torch target on packed rows; flex step == dense step
-                                             # (train.py's start-up self-check, published and all-full layouts)
-  python bench.py target --budget 8192       # qwen3.6-27b forward: ms, MFU, memory; full-attention kernels compared
-  python bench.py target --target qwen3.5-35b-a3b   # the MoE target (FLOPs on active parameters); its MoE block
-                                             # alone: grouped GEMM vs one matmul per expert
-  python bench.py drafter --anchors 512      # the 27B drafter's training step alone (train.py's step, random features):
-                                             # compile time, ms, MFU, peak memory, fused flex backward seen
-                                             # (per layer kind; --sliding-window 0 for all full layers)
-  python bench.py sweep                      # the drafter step over anchors 128..1024 x budget 4096..16384 (--shapes)
-  python bench.py pair --anchors 512 --budget 8192 --steps 30    # (--target qwen3.5-35b-a3b: the MoE pair)
-      # runs train.py itself: both roles in one process on GPU 0 (each role timed alone), then one pair on
-      # GPUs 0-1 under torchrun; prints one table with MFU against the measured bf16 matmul peak
-  python bench.py load                       # writes (once, to --out/fp8-27b) a block-FP8 copy of random
-      # qwen3.6-27b tensors in the official -FP8 layout (~30 GB, 128x128 scales), then times
-      # Target.from_pretrained of it onto GPU 0 in bf16 in a fresh process: seconds, peak host RSS, peak GPU
-      # memory, one tensor checked against a hand dequantization
+  python bench.py check                      # fla target == torch target on packed rows; flex step
+                                             # == dense step (train.py's start-up self-check,
+                                             # published and all-full layouts)
+  python bench.py target --budget 8192       # qwen3.6-27b forward: ms, MFU, memory; full-attention
+                                             # kernels compared
+  python bench.py target --target qwen3.5-35b-a3b
+                                             # the MoE target (FLOPs on active parameters); its MoE
+                                             # block alone: grouped GEMM vs one matmul per expert
+  python bench.py drafter --anchors 512      # the 27B drafter's training step alone (train.py's
+                                             # step, random features): compile time, ms, MFU, peak
+                                             # memory, fused flex backward seen (per layer kind;
+                                             # --sliding-window 0 for all full layers)
+  python bench.py sweep                      # the drafter step over anchors 128..1024 x budget
+                                             # 4096..16384 (--shapes)
+  python bench.py pair --anchors 512 --budget 8192 --steps 30
+      # runs train.py itself: both roles in one process on GPU 0 (each role timed alone), then one
+      # pair on GPUs 0-1 under torchrun; prints one table with MFU against the measured bf16
+      # matmul peak (--target qwen3.5-35b-a3b: the MoE pair)
+  python bench.py load
+      # writes (once, to --out/fp8-27b) a block-FP8 copy of random qwen3.6-27b tensors in the
+      # official -FP8 layout (~30 GB, 128x128 scales), then times Target.from_pretrained of it onto
+      # GPU 0 in bf16 in a fresh process: seconds, peak host RSS, peak GPU memory, one tensor
+      # checked against a hand dequantization
 """
 import argparse
 import json
@@ -31,28 +38,41 @@ import torch
 import torch.nn.functional as F
 import target as target_module
 from target import Target, TargetConfig, positions_from_cu
-from model import Drafter, DrafterConfig, sample_anchors, block_lists, flex_backward_kernels, flex_matches_dense
+from model import Drafter, DrafterConfig, sample_anchors, block_lists
+from model import flex_backward_kernels, flex_matches_dense
 
-p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+p = argparse.ArgumentParser(description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("what", choices=["check", "target", "drafter", "sweep", "pair", "load"])
-p.add_argument("--anchors", type=int, default=512, help="draft blocks per row (drafter, sweep); per document (pair)")
-p.add_argument("--row-anchors", type=int, default=0, help="pair mode: train.py --row-anchors (0: measured from the data)")
-p.add_argument("--mix", choices=["short", "long"], default="short", help="pair mode: synthetic documents of 1-3K "
-               "(short) or 4-8K (long) tokens, loss on the second half of each")
+p.add_argument("--anchors", type=int, default=512,
+               help="draft blocks per row (drafter, sweep); per document (pair)")
+p.add_argument("--row-anchors", type=int, default=0,
+               help="pair mode: train.py --row-anchors (0: measured from the data)")
+p.add_argument("--mix", choices=["short", "long"], default="short",
+               help="pair mode: synthetic documents of 1-3K (short) or 4-8K (long) tokens, loss on "
+               "the second half of each")
 p.add_argument("--budget", type=int, default=8192, help="tokens per row")
-p.add_argument("--target", default="qwen3.6-27b", help="target preset, random weights (target, drafter, sweep, "
-               "pair): qwen3.6-27b or qwen3.5-35b-a3b")
-p.add_argument("--drafter-layers", type=int, default=None, help="drafter decoder layers (default: z-lab's published "
-               "drafter for the target: 5 for the 27B, 6 for the 35B-A3B)")
-p.add_argument("--sliding-window", type=int, default=None, help="tokens per sliding drafter layer, all but the last "
-               "sliding (default: the published layout, 2048 for the 27B, 4096 for the 35B-A3B); 0: all full")
-p.add_argument("--steps", type=int, default=30, help="training steps per train.py run (the last 10 are timed)")
+p.add_argument("--target", default="qwen3.6-27b",
+               help="target preset, random weights (target, drafter, sweep, pair): qwen3.6-27b or "
+               "qwen3.5-35b-a3b")
+p.add_argument("--drafter-layers", type=int, default=None,
+               help="drafter decoder layers (default: z-lab's published drafter for the target: 5 "
+               "for the 27B, 6 for the 35B-A3B)")
+p.add_argument("--sliding-window", type=int, default=None,
+               help="tokens per sliding drafter layer, all but the last sliding (default: the "
+               "published layout, 2048 for the 27B, 4096 for the 35B-A3B); 0: all full")
+p.add_argument("--steps", type=int, default=30,
+               help="training steps per train.py run (the last 10 are timed)")
 p.add_argument("--timeout", type=float, default=600, help="seconds allowed for each train.py run")
-p.add_argument("--runs", default="one,pair", help="pair mode: which train.py runs (one: 1 GPU both roles; pair: 2 GPUs)")
-p.add_argument("--shapes", default=",".join(f"{n}x{s}" for s in (4096, 8192, 16384) for n in (128, 256, 512, 1024)),
+p.add_argument("--runs", default="one,pair",
+               help="pair mode: which train.py runs (one: 1 GPU both roles; pair: 2 GPUs)")
+p.add_argument("--shapes",
+               default=",".join(f"{n}x{s}" for s in (4096, 8192, 16384)
+                                for n in (128, 256, 512, 1024)),
                help="sweep mode: anchors x budget (tokens) pairs, comma-separated")
 p.add_argument("--docs", type=int, default=4, help="documents per row (target mode)")
-p.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "dflash-bench"), help="scratch dir")
+p.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "dflash-bench"),
+               help="scratch dir")
 args = p.parse_args()
 dev = torch.device("cuda")
 
@@ -71,7 +91,8 @@ def bench_ms(fn, iters=5):
 
 def matmul_peak():
     # the ceiling MFU is measured against: a large bf16 GEMM on random data, this card, now
-    x, y = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16), torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    x = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    y = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
     return 2 * 8192**3 / (bench_ms(lambda: x @ y, 20) * 1e-3)
 
 def rel(a, b):
@@ -82,9 +103,10 @@ def row_cu(S, docs):
     return torch.tensor([0, *cuts, S])
 
 def visible(dcfg, pos, anchors, keep):
-    # {layer kind: (query, key) pairs its mask lets through}, for the drafter's attention FLOPs. Full: each of an
-    # anchor's B rows sees its document's past (pos[anchor] keys) and its own block (B keys). Sliding window W:
-    # the row at position q sees the positions max(0, q-W+1)..q, all present (context, then block), so min(q+1, W)
+    # {layer kind: (query, key) pairs its mask lets through}, for the drafter's attention FLOPs.
+    # Full: each of an anchor's B rows sees its document's past (pos[anchor] keys) and its own
+    # block (B keys). Sliding window W: the row at position q sees the positions max(0, q-W+1)..q,
+    # all present (context, then block), so min(q+1, W)
     B = dcfg.block_size
     q = pos[anchors][:, None] + torch.arange(B, device=pos.device)      # [N, B] query positions
     full = (pos[anchors][:, None] + B).expand(-1, B)
@@ -92,17 +114,23 @@ def visible(dcfg, pos, anchors, keep):
             for kind, w in dcfg.windows().items()}
 
 def per_expert(x, w, ends):
-    # target.expert_linear without the grouped GEMM: one matmul per expert (host sync for the split sizes)
-    return torch.cat([F.linear(xe, we) for xe, we in zip(x.split(ends.diff(prepend=ends[:1] * 0).tolist()), w)])
+    # target.expert_linear without the grouped GEMM: one matmul per expert (host sync for the
+    # split sizes)
+    sizes = ends.diff(prepend=ends[:1] * 0).tolist()
+    return torch.cat([F.linear(xe, we) for xe, we in zip(x.split(sizes), w)])
 
 def doc_pos(cu):
-    # boundaries -> (document id, position in document) per token, on the GPU, as a packed row carries them
-    return torch.repeat_interleave(torch.arange(len(cu) - 1), cu.diff()).to(dev), positions_from_cu(cu).to(dev)
+    # boundaries -> (document id, position in document) per token, on the GPU, as a packed row
+    # carries them
+    doc = torch.repeat_interleave(torch.arange(len(cu) - 1), cu.diff()).to(dev)
+    return doc, positions_from_cu(cu).to(dev)
 
 if args.what == "check":
-    # 1) the fla-core path (bf16) against the plain-torch path (fp32) on a packed row, real head shapes
-    cfg = TargetConfig(vocab_size=1024, hidden_size=1024, intermediate_size=2048, num_hidden_layers=4,
-                       num_attention_heads=8, num_key_value_heads=2, linear_num_key_heads=4, linear_num_value_heads=12)
+    # 1) the fla-core path (bf16) against the plain-torch path (fp32) on a packed row, real head
+    # shapes
+    cfg = TargetConfig(vocab_size=1024, hidden_size=1024, intermediate_size=2048,
+                       num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                       linear_num_key_heads=4, linear_num_value_heads=12)
     cpu = Target.build(cfg)
     gpu = Target.build(cfg, device=dev, dtype=torch.bfloat16)
     cu = torch.tensor([0, 300, 1100, 1400, 2048])
@@ -110,11 +138,14 @@ if args.what == "check":
     ref = cpu.features(ids, cu, [0, 1, 2, 3]).view(2048, 4, -1)
     out = gpu.features(ids.to(dev), cu, [0, 1, 2, 3]).view(2048, 4, -1).cpu()
     errs = [rel(out[:, i], ref[:, i]) for i in range(4)]
-    print(f"fla (bf16) vs torch (fp32) target features, 3 packed docs, per layer rel err: {['%.2e' % e for e in errs]}")
+    print(f"fla (bf16) vs torch (fp32) target features, 3 packed docs, per layer rel err: "
+          f"{['%.2e' % e for e in errs]}")
     assert max(errs) < 3e-2, "fla path disagrees with the torch path"
-    # the MoE target the same way (grouped GEMM in bf16 on the GPU, one matmul per expert in fp32 on the CPU), with
-    # top-k = all experts: bf16 router logits pick other experts than fp32 ones for a few % of tokens (near ties)
-    moe_cfg = TargetConfig(**{**vars(cfg), "num_experts": 8, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
+    # the MoE target the same way (grouped GEMM in bf16 on the GPU, one matmul per expert in fp32
+    # on the CPU), with top-k = all experts: bf16 router logits pick other experts than fp32 ones
+    # for a few % of tokens (near ties)
+    moe_cfg = TargetConfig(**{**vars(cfg), "num_experts": 8, "num_experts_per_tok": 8,
+                              "moe_intermediate_size": 512,
                               "shared_expert_intermediate_size": 512})
     gpu = Target.build(moe_cfg, device=dev, dtype=torch.bfloat16)
     cpu = Target.build(moe_cfg)
@@ -122,10 +153,11 @@ if args.what == "check":
     ref = cpu.features(ids, cu, [0, 1, 2, 3]).view(2048, 4, -1)
     out = gpu.features(ids.to(dev), cu, [0, 1, 2, 3]).view(2048, 4, -1).cpu()
     errs = [rel(out[:, i], ref[:, i]) for i in range(4)]
-    print(f"MoE target, fla + grouped GEMM (bf16) vs torch (fp32), per layer rel err: {['%.2e' % e for e in errs]}")
+    print(f"MoE target, fla + grouped GEMM (bf16) vs torch (fp32), per layer rel err: "
+          f"{['%.2e' % e for e in errs]}")
     assert max(errs) < 3e-2, "MoE target: GPU path disagrees with the torch path"
-    # the MoE block at the 35B-A3B shapes (uneven expert groups, some maybe empty): grouped GEMM against one
-    # matmul per expert, both bf16 from the same routing
+    # the MoE block at the 35B-A3B shapes (uneven expert groups, some maybe empty): grouped GEMM
+    # against one matmul per expert, both bf16 from the same routing
     a3b = TargetConfig.preset("qwen3.5-35b-a3b")
     moe = Target.build(a3b, device=dev, dtype=torch.bfloat16, n_layers=1, head=False).layers[0].mlp
     x = torch.randn(8192, a3b.hidden_size, device=dev, dtype=torch.bfloat16)
@@ -133,16 +165,19 @@ if args.what == "check":
     target_module.expert_linear = per_expert
     err = rel(out, moe(x))
     target_module.expert_linear = grouped
-    print(f"35B-A3B MoE block, 8192 tokens: grouped GEMM vs one matmul per expert (bf16): rel err {err:.2e}")
+    print(f"35B-A3B MoE block, 8192 tokens: grouped GEMM vs one matmul per expert (bf16): "
+          f"rel err {err:.2e}")
     assert err < 1e-2, "torch._grouped_mm disagrees with the per-expert matmuls"
-    # 2) the compiled flex BlockMask step against the dense-mask SDPA step (train.py's start-up self-check):
-    # loss and every gradient, the published layout (sliding + full layers) and all full
+    # 2) the compiled flex BlockMask step against the dense-mask SDPA step (train.py's start-up
+    # self-check): loss and every gradient, the published layout (sliding + full layers) and all
+    # full
     for window in (2048, 0):
         dcfg = DrafterConfig.from_target(TargetConfig.preset("qwen3.6-27b"), sliding_window=window)
         loss_err, grad_err, seconds = flex_matches_dense(dcfg, dev)
-        print(f"flex vs dense drafter step, layers {dcfg.layer_types}: loss rel err {loss_err:.1e}, "
-              f"max grad rel err {grad_err:.1e}, {seconds:.0f} s")
-        assert loss_err < 1e-3 and grad_err < 1e-3, "flex BlockMask path disagrees with the dense path"
+        print(f"flex vs dense drafter step, layers {dcfg.layer_types}: loss rel err "
+              f"{loss_err:.1e}, max grad rel err {grad_err:.1e}, {seconds:.0f} s")
+        assert loss_err < 1e-3 and grad_err < 1e-3, (
+            "flex BlockMask path disagrees with the dense path")
     print("check: OK")
 
 elif args.what == "target":
@@ -159,19 +194,24 @@ elif args.what == "target":
     ms = bench_ms(lambda: target.features(ids, cu, taps))
     fl = target.flops(cu, max(taps) + 1)
     print(f"target forward, {args.budget} tokens in {args.docs} docs, taps {taps}: {ms:.1f} ms, "
-          f"{args.budget / ms * 1e3:.0f} tok/s, {fl / ms / 1e9:.0f} TFLOP/s, MFU {fl / (ms * 1e-3) / peak:.1%} "
-          f"(matmul peak {peak / 1e12:.0f} TFLOP/s), peak mem {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB"
+          f"{args.budget / ms * 1e3:.0f} tok/s, {fl / ms / 1e9:.0f} TFLOP/s, "
+          f"MFU {fl / (ms * 1e-3) / peak:.1%} (matmul peak {peak / 1e12:.0f} TFLOP/s), "
+          f"peak mem {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB"
           + (" [FLOPs on active parameters: 8 of 256 experts]" if cfg.num_experts else ""))
     if cfg.num_experts:
-        # one MoE block over the row: the grouped GEMM against one matmul per expert (host sync for the split)
-        moe, x = target.layers[0].mlp, torch.randn(args.budget, cfg.hidden_size, device=dev, dtype=torch.bfloat16)
+        # one MoE block over the row: the grouped GEMM against one matmul per expert (host sync for
+        # the split)
+        moe = target.layers[0].mlp
+        x = torch.randn(args.budget, cfg.hidden_size, device=dev, dtype=torch.bfloat16)
         active = sum(p.numel() for n, p in moe.named_parameters() if ".experts." not in n)
-        active += (moe.experts.gate_up_proj.numel() + moe.experts.down_proj.numel()) * moe.top_k // cfg.num_experts
+        routed = moe.experts.gate_up_proj.numel() + moe.experts.down_proj.numel()
+        active += routed * moe.top_k // cfg.num_experts
         grouped = target_module.expert_linear
         for name in ("grouped GEMM (torch._grouped_mm)", "one matmul per expert"):
             ms = bench_ms(lambda: moe(x), 10)
             print(f"  MoE block, {args.budget} tokens, {name}: {ms:.2f} ms, "
-                  f"{2 * args.budget * active / ms / 1e9:.0f} TFLOP/s (x {len(target.layers)} layers)")
+                  f"{2 * args.budget * active / ms / 1e9:.0f} TFLOP/s "
+                  f"(x {len(target.layers)} layers)")
             target_module.expert_linear = per_expert
         target_module.expert_linear = grouped
     # the full-attention kernel choice, measured at this shape
@@ -180,51 +220,65 @@ elif args.what == "target":
     k, v = torch.randn(2, nkv, T, hd, device=dev, dtype=torch.bfloat16)
     cl = cu.tolist()
     def per_doc(gqa):
-        kk, vv = (k, v) if gqa else (k.repeat_interleave(nh // nkv, 0), v.repeat_interleave(nh // nkv, 0))
+        if gqa:
+            kk, vv = k, v
+        else:
+            kk, vv = k.repeat_interleave(nh // nkv, 0), v.repeat_interleave(nh // nkv, 0)
         for s, e in zip(cl[:-1], cl[1:]):
-            F.scaled_dot_product_attention(q[:, s:e], kk[:, s:e], vv[:, s:e], is_causal=True, enable_gqa=gqa)
+            F.scaled_dot_product_attention(q[:, s:e], kk[:, s:e], vv[:, s:e], is_causal=True,
+                                           enable_gqa=gqa)
     from torch.nn.attention.flex_attention import flex_attention, create_block_mask
     doc = doc_pos(cu)[0]
-    bm = create_block_mask(lambda b, h, qi, ki: (doc[qi] == doc[ki]) & (ki <= qi), None, None, T, T, device=dev)
+    bm = create_block_mask(lambda b, h, qi, ki: (doc[qi] == doc[ki]) & (ki <= qi), None, None, T, T,
+                           device=dev)
     flex = torch.compile(flex_attention)
-    cands = {"SDPA per document, enable_gqa": lambda: per_doc(True), "SDPA per document, K/V repeated": lambda: per_doc(False),
-             "flex (document mask)": lambda: flex(q[None], k[None], v[None], block_mask=bm, enable_gqa=True)}
+    cands = {"SDPA per document, enable_gqa": lambda: per_doc(True),
+             "SDPA per document, K/V repeated": lambda: per_doc(False),
+             "flex (document mask)": lambda: flex(q[None], k[None], v[None], block_mask=bm,
+                                                  enable_gqa=True)}
     try:
         from torch.nn.attention.varlen import varlen_attn
         cu32 = cu.to(dev, torch.int32)
         mx = int(cu.diff().max())
         qv = q.transpose(0, 1).contiguous()
         kv_, vv = (t.repeat_interleave(nh // nkv, 0).transpose(0, 1).contiguous() for t in (k, v))
-        cands["varlen_attn, K/V repeated"] = lambda: varlen_attn(qv, kv_, vv, cu32, cu32, mx, mx, window_size=(-1, 0))
+        cands["varlen_attn, K/V repeated"] = lambda: varlen_attn(qv, kv_, vv, cu32, cu32, mx, mx,
+                                                                 window_size=(-1, 0))
     except Exception as e:      # varlen_attn's signature differs across torch releases
         print(f"varlen_attn not measured: {type(e).__name__}: {e}")
     for name, fn in cands.items():
         try:
-            print(f"  full attention fwd, {T} tokens, {len(cl) - 1} docs, {name}: {bench_ms(fn, 10):.2f} ms")
+            print(f"  full attention fwd, {T} tokens, {len(cl) - 1} docs, {name}: "
+                  f"{bench_ms(fn, 10):.2f} ms")
         except Exception as e:
             print(f"  {name}: failed ({type(e).__name__}: {str(e)[:200]})")
 
 elif args.what in ("drafter", "sweep"):
     peak = matmul_peak()
     tcfg = TargetConfig.preset(args.target)
-    dcfg = DrafterConfig.from_target(tcfg, num_hidden_layers=args.drafter_layers, sliding_window=args.sliding_window)
-    tgt = Target.build(tcfg, device=dev, dtype=torch.bfloat16, n_layers=0)      # embed_tokens + lm_head only
+    dcfg = DrafterConfig.from_target(tcfg, num_hidden_layers=args.drafter_layers,
+                                     sliding_window=args.sliding_window)
+    # embed_tokens + lm_head only
+    tgt = Target.build(tcfg, device=dev, dtype=torch.bfloat16, n_layers=0)
     torch.manual_seed(0)
     d = Drafter(dcfg).to(dev)
     opt = torch.optim.AdamW(d.parameters(), lr=6e-4, weight_decay=0.0, fused=True)
     B = dcfg.block_size
 
     def drafter_bench(N, S):
-        """train.py's drafter step alone at one shape: compile s, ms, TFLOP, peak GiB, fused-backward kernel"""
+        """train.py's drafter step alone at one shape: compile s, ms, TFLOP, peak GiB,
+        fused-backward kernel"""
         torch._dynamo.reset()                       # every shape compiles its own graph
         cu = row_cu(S, max(2, S // 2048))
         doc, pos = doc_pos(cu)
         tokens = torch.randint(0, 248000, (S,), device=dev)
         lm = (torch.rand(S, device=dev) < 0.7).long()
-        feats = torch.randn(S, len(dcfg.target_layer_ids) * tcfg.hidden_size, device=dev, dtype=torch.bfloat16)
+        feats = torch.randn(S, len(dcfg.target_layer_ids) * tcfg.hidden_size, device=dev,
+                            dtype=torch.bfloat16)
         def graph(anchors, keep, blocks):      # as train.py's drafter_step
             with torch.autocast("cuda", torch.bfloat16):
-                return d(feats, tokens, lm, doc, pos, anchors, keep, tgt.embed_tokens.weight, tgt.lm_head.weight, 7.0, {}, blocks)
+                return d(feats, tokens, lm, doc, pos, anchors, keep, tgt.embed_tokens.weight,
+                         tgt.lm_head.weight, 7.0, {}, blocks)
         graph = torch.compile(graph, fullgraph=True, dynamic=False)
         def step():
             anchors, keep, _ = sample_anchors(lm, doc, S, N)     # N per row, from any document
@@ -245,24 +299,29 @@ elif args.what in ("drafter", "sweep"):
         ms = bench_ms(step)
         fl = d.flops(S, N, visible(dcfg, pos, *sample_anchors(lm, doc, S, N)[:2]))
         seen = ", ".join(k for k in kernels if "_tem_" in k)
-        return compile_s, ms, fl, torch.cuda.max_memory_allocated() / 2**30, seen if fused else f"NOT SEEN ({seen})"
+        return (compile_s, ms, fl, torch.cuda.max_memory_allocated() / 2**30,
+                seen if fused else f"NOT SEEN ({seen})")
 
     grid = ([(args.anchors, args.budget)] if args.what == "drafter" else
             [tuple(map(int, x.split("x"))) for x in args.shapes.split(",")])
-    print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | matmul peak {peak / 1e12:.0f} TFLOP/s | "
-          f"drafter layers {dcfg.layer_types} window {dcfg.sliding_window} | {time.strftime('%Y-%m-%d')}")
-    print("| anchors | budget | compile s | step ms | TFLOP | MFU | peak GiB | fused flex backward |\n|---|---|---|---|---|---|---|---|")
+    print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | "
+          f"matmul peak {peak / 1e12:.0f} TFLOP/s | drafter layers {dcfg.layer_types} "
+          f"window {dcfg.sliding_window} | {time.strftime('%Y-%m-%d')}")
+    print("| anchors | budget | compile s | step ms | TFLOP | MFU | peak GiB "
+          "| fused flex backward |\n|---|---|---|---|---|---|---|---|")
     for N, S in grid:
         try:
             c, ms, fl, mem, fused = drafter_bench(N, S)
-            print(f"| {N} | {S} | {c:.0f} | {ms:.0f} | {fl / 1e12:.0f} | {fl / (ms * 1e-3) / peak:.1%} | {mem:.1f} | {fused} |", flush=True)
+            print(f"| {N} | {S} | {c:.0f} | {ms:.0f} | {fl / 1e12:.0f} | "
+                  f"{fl / (ms * 1e-3) / peak:.1%} | {mem:.1f} | {fused} |", flush=True)
         except torch.OutOfMemoryError:
             print(f"| {N} | {S} | out of memory |", flush=True)
             torch.cuda.empty_cache()
 
 elif args.what == "pair":
     from data import write_dataset
-    # synthetic data with the real shapes: documents of 1-3K (short) or 4-8K (long) tokens, loss on their second half
+    # synthetic data with the real shapes: documents of 1-3K (short) or 4-8K (long) tokens, loss on
+    # their second half
     data = os.path.join(args.out, f"data-{args.mix}")
     if not os.path.exists(os.path.join(data, "train", "meta.json")):
         rng = np.random.default_rng(0)
@@ -270,11 +329,13 @@ elif args.what == "pair":
         def samples(n):
             for _ in range(n):
                 L = int(rng.integers(lo, hi))
-                yield rng.integers(0, 248000, L).astype(np.uint32), (np.arange(L) >= L // 2).astype(np.uint8)
+                yield (rng.integers(0, 248000, L).astype(np.uint32),
+                       (np.arange(L) >= L // 2).astype(np.uint8))
         write_dataset(os.path.join(data, "train"), samples(400), vocab_size=248320, force=True)
         write_dataset(os.path.join(data, "val"), samples(8), vocab_size=248320, force=True)
-    common = ["train.py", "--target", args.target, "--data", data, "--anchors", str(args.anchors),
-              "--row-anchors", str(args.row_anchors), "--budget", str(args.budget), "--max-steps", str(args.steps),
+    common = ["train.py", "--target", args.target, "--data", data,
+              "--anchors", str(args.anchors), "--row-anchors", str(args.row_anchors),
+              "--budget", str(args.budget), "--max-steps", str(args.steps),
               "--log-interval", str(max(1, args.steps // 3)), "--eval-interval", "100000",
               "--save-interval", "100000", "--eval-rows", "1"]
     if args.sliding_window is not None:
@@ -285,7 +346,8 @@ elif args.what == "pair":
     recs = {}
     for name in args.runs.split(","):
         if name not in runs:
-            sys.exit(f"error: --runs {args.runs}: each run is one (1 GPU, both roles) or pair (2 GPUs)")
+            sys.exit(f"error: --runs {args.runs}: each run is one (1 GPU, both roles) or pair "
+                     "(2 GPUs)")
         if name == "pair" and torch.cuda.device_count() < 2:
             print("one GPU only: pair not run")
             continue
@@ -301,42 +363,57 @@ elif args.what == "pair":
             os.killpg(proc.pid, 9)      # torchrun and every rank it started
             print(f"{name}: killed after {args.timeout:.0f} s")
         path = os.path.join(log, "log.jsonl")     # absent if the run died before its first log line
-        lines = [json.loads(l) for l in open(path) if '"train"' in l] if os.path.exists(path) else []
-        if lines:   # steady state: the last full log window after the one that compiled (the final one may be short)
+        if os.path.exists(path):
+            lines = [json.loads(l) for l in open(path) if '"train"' in l]
+        else:
+            lines = []
+        # steady state: the last full log window after the one that compiled (the final one may be
+        # short)
+        if lines:
             recs[name] = lines[max(1, len(lines) - 2)] if len(lines) > 2 else lines[-1]
     peak = matmul_peak()
     tcfg = TargetConfig.preset(args.target)
-    dcfg = DrafterConfig.from_target(tcfg, num_hidden_layers=args.drafter_layers, sliding_window=args.sliding_window)
+    dcfg = DrafterConfig.from_target(tcfg, num_hidden_layers=args.drafter_layers,
+                                     sliding_window=args.sliding_window)
     with torch.device("meta"):
-        tmeta, dmeta = Target(tcfg, n_layers=max(dcfg.target_layer_ids) + 1, head=False), Drafter(dcfg)
+        tmeta = Target(tcfg, n_layers=max(dcfg.target_layer_ids) + 1, head=False)
+        dmeta = Drafter(dcfg)
     S = args.budget
     cu = row_cu(S, max(2, S // 2048))
     tfl = tmeta.flops(cu, max(dcfg.target_layer_ids) + 1)
     doc, pos = doc_pos(cu)
-    def drafter_flops(rec):   # at the compiled shape: every anchor slot of the row goes through the matmuls
+    def drafter_flops(rec):
+        # at the compiled shape: every anchor slot of the row goes through the matmuls
         N = rec["row_anchors"]
-        return dmeta.flops(S, N, visible(dcfg, pos, *sample_anchors(torch.ones(S, device=dev), doc, S, N)[:2]))
-    print(f"\n{torch.cuda.get_device_name()} | torch {torch.__version__} | matmul peak {peak / 1e12:.0f} TFLOP/s | "
-          f"--anchors {args.anchors} --row-anchors {args.row_anchors} --budget {S} | {args.mix} documents | "
+        anchors, keep = sample_anchors(torch.ones(S, device=dev), doc, S, N)[:2]
+        return dmeta.flops(S, N, visible(dcfg, pos, anchors, keep))
+    print(f"\n{torch.cuda.get_device_name()} | torch {torch.__version__} | "
+          f"matmul peak {peak / 1e12:.0f} TFLOP/s | --anchors {args.anchors} "
+          f"--row-anchors {args.row_anchors} --budget {S} | {args.mix} documents | "
           f"target {args.target} | drafter layers {dcfg.layer_types} | {time.strftime('%Y-%m-%d')}")
     print("| measure | value |\n|---|---|")
     for name, r in recs.items():
         mfu_t = tfl / (r["ms_target"] * 1e-3) / peak
         mfu_d = drafter_flops(r) / (r["ms_drafter"] * 1e-3) / peak
-        print(f"| {name}: step | {r['ms_step']:.0f} ms: {r['tok_s']:.0f} context tok/s, {r['blocks_s']:.0f} "
-              f"supervised blocks/s, {r['drafted_tok_s']:.0f} drafted tokens/s |")
+        print(f"| {name}: step | {r['ms_step']:.0f} ms: {r['tok_s']:.0f} context tok/s, "
+              f"{r['blocks_s']:.0f} supervised blocks/s, "
+              f"{r['drafted_tok_s']:.0f} drafted tokens/s |")
         print(f"| {name}: anchors per row (capacity), cut by it, padded | {r['anchors_row']:.0f} "
               f"({r['row_anchors']}), {r['anchors_cut']} in the window, {r['pad_frac']:.0%} |")
-        print(f"| {name}: target fwd / drafter wait / drafter step | {r['ms_target']:.0f} (MFU {mfu_t:.0%}) / "
+        print(f"| {name}: target fwd / drafter wait / drafter step | "
+              f"{r['ms_target']:.0f} (MFU {mfu_t:.0%}) / "
               f"{r['ms_wait']:.0f} / {r['ms_drafter']:.0f} ms (MFU {mfu_d:.0%}) |")
-        print(f"| {name}: busy target GPU / drafter GPU | {r['busy_target']:.0%} / {r['busy_drafter']:.0%} |")
-        print(f"| {name}: peak memory per GPU | {' / '.join(f'{m:.1f}' for m in r['mem_gib'])} GiB |")
+        print(f"| {name}: busy target GPU / drafter GPU | "
+              f"{r['busy_target']:.0%} / {r['busy_drafter']:.0%} |")
+        print(f"| {name}: peak memory per GPU | "
+              f"{' / '.join(f'{m:.1f}' for m in r['mem_gib'])} GiB |")
         print(f"| {name}: compiled graphs on the drafter rank (train + eval) | {r.get('graphs')} |")
 
 elif args.what == "load":
-    # the official -FP8 layout: model.language_model.* + lm_head, every decoder Linear weight but in_proj_a/b
-    # in e4m3 with fp32 weight_scale_inv [ceil(out/128), ceil(in/128)]; embeddings, norms, conv, A_log,
-    # dt_bias unquantized (bf16, A_log fp32). Random values: load time and memory do not depend on them
+    # the official -FP8 layout: model.language_model.* + lm_head, every decoder Linear weight but
+    # in_proj_a/b in e4m3 with fp32 weight_scale_inv [ceil(out/128), ceil(in/128)]; embeddings,
+    # norms, conv, A_log, dt_bias unquantized (bf16, A_log fp32). Random values: load time and
+    # memory do not depend on them
     from safetensors.torch import save_file
     tcfg = TargetConfig.preset("qwen3.6-27b")
     path, block, shard_bytes = os.path.join(args.out, "fp8-27b"), [128, 128], 5 << 30
@@ -354,7 +431,8 @@ elif args.what == "load":
             shard, size = {}, 0
         for name, p in meta.named_parameters():
             key = name if name == "lm_head.weight" else "model.language_model." + name
-            if name.startswith("layers.") and p.dim() == 2 and not name.endswith(("in_proj_a.weight", "in_proj_b.weight")):
+            in_proj_ab = name.endswith(("in_proj_a.weight", "in_proj_b.weight"))
+            if name.startswith("layers.") and p.dim() == 2 and not in_proj_ab:
                 grid = (-(-p.shape[0] // 128), -(-p.shape[1] // 128))
                 shard[key] = torch.randn(p.shape, device=dev).mul_(64).to(torch.float8_e4m3fn).cpu()
                 shard[key + "_scale_inv"] = (torch.rand(grid, device=dev) * 1e-3 + 1e-4).cpu()
@@ -367,28 +445,34 @@ elif args.what == "load":
         flush()
         with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {}, "weight_map": weight_map}, f)
-        text = {k: getattr(tcfg, k) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                                               "layer_types", "num_attention_heads", "num_key_value_heads", "head_dim",
-                                               "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-                                               "linear_value_head_dim", "linear_conv_kernel_dim", "rms_norm_eps",
-                                               "max_position_embeddings")}
+        text = {k: getattr(tcfg, k) for k in (
+            "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "layer_types",
+            "num_attention_heads", "num_key_value_heads", "head_dim", "linear_num_key_heads",
+            "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+            "linear_conv_kernel_dim", "rms_norm_eps", "max_position_embeddings")}
         text.update(model_type="qwen3_5_text", hidden_act="silu", attention_bias=False,
-                    rope_parameters=dict(rope_type="default", rope_theta=tcfg.rope_theta, partial_rotary_factor=0.25,
-                                         mrope_section=[11, 11, 10], mrope_interleaved=True))
-        quant = dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic", weight_block_size=block,
-                     modules_to_not_convert=["lm_head", "model.visual", "mtp", "embed_tokens", "in_proj_a", "in_proj_b"])
-        with open(os.path.join(path, "config.json"), "w") as f:   # written last: its presence marks a complete copy
-            json.dump({"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
-                       "tie_word_embeddings": False, "text_config": text, "quantization_config": quant}, f)
-        print(f"wrote {n} shards, {sum(os.path.getsize(os.path.join(path, f)) for f in set(weight_map.values())) / 2**30:.1f} "
-              f"GiB, to {path} in {time.time() - t0:.0f} s", flush=True)
+                    rope_parameters=dict(rope_type="default", rope_theta=tcfg.rope_theta,
+                                         partial_rotary_factor=0.25, mrope_section=[11, 11, 10],
+                                         mrope_interleaved=True))
+        quant = dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic",
+                     weight_block_size=block,
+                     modules_to_not_convert=["lm_head", "model.visual", "mtp", "embed_tokens",
+                                             "in_proj_a", "in_proj_b"])
+        # written last: its presence marks a complete copy
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump({"architectures": ["Qwen3_5ForConditionalGeneration"],
+                       "model_type": "qwen3_5", "tie_word_embeddings": False,
+                       "text_config": text, "quantization_config": quant}, f)
+        gib = sum(os.path.getsize(os.path.join(path, f)) for f in set(weight_map.values())) / 2**30
+        print(f"wrote {n} shards, {gib:.1f} GiB, to {path} in {time.time() - t0:.0f} s", flush=True)
     # the load in a fresh process, so its peak host RSS is the loader's alone
     child = r"""
 import json, resource, sys, time, torch
 from safetensors import safe_open
 from target import Target
 def hwm():
-    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM")) / 2**20
+    status = open("/proc/self/status")
+    return next(int(l.split()[1]) for l in status if l.startswith("VmHWM")) / 2**20
 path, before = sys.argv[1], hwm()
 t0 = time.time()
 m = Target.from_pretrained(path, device="cuda", dtype=torch.bfloat16)
@@ -402,22 +486,27 @@ with safe_open(path + "/" + wm[key], "pt") as f:
 with safe_open(path + "/" + wm[key + "_scale_inv"], "pt") as f:
     s = f.get_tensor(key + "_scale_inv").cuda()
 rows, cols = q.shape
-full = s.repeat_interleave(128, 0)[:rows].repeat_interleave(128, 1)[:, :cols]   # every element's scale
+# every element's scale
+full = s.repeat_interleave(128, 0)[:rows].repeat_interleave(128, 1)[:, :cols]
 same = torch.equal(m.layers[0].mlp.gate_proj.weight, (q.float() * full).to(torch.bfloat16))
 params = sum(p.numel() * p.element_size() for p in m.parameters()) / 2**30
-print(json.dumps(dict(load_s=round(sec, 1), rss_before_gib=round(before, 2), rss_peak_gib=round(hwm(), 2),
-                      gpu_peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2), weights_gib=round(params, 2),
-                      gate_proj_equals_hand_dequant=same)))
+print(json.dumps(dict(load_s=round(sec, 1), rss_before_gib=round(before, 2),
+                      rss_peak_gib=round(hwm(), 2),
+                      gpu_peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
+                      weights_gib=round(params, 2), gate_proj_equals_hand_dequant=same)))
 """
     res = subprocess.run([sys.executable, "-c", child, path], capture_output=True, text=True,
                          cwd=os.path.dirname(os.path.abspath(__file__)))
     if res.returncode:
         sys.exit(res.stderr[-3000:])
     r = json.loads(res.stdout.strip().splitlines()[-1])
-    print(f"\n{torch.cuda.get_device_name()} | torch {torch.__version__} | block-FP8 qwen3.6-27b -> bf16 on GPU 0 | "
-          f"{time.strftime('%Y-%m-%d')}")
+    print(f"\n{torch.cuda.get_device_name()} | torch {torch.__version__} | "
+          f"block-FP8 qwen3.6-27b -> bf16 on GPU 0 | {time.strftime('%Y-%m-%d')}")
     print("| measure | value |\n|---|---|")
-    print(f"| Target.from_pretrained (read + dequantize; page cache as the write left it) | {r['load_s']} s |")
-    print(f"| peak host RSS of the loading process | {r['rss_peak_gib']} GiB ({r['rss_before_gib']} GiB before the load) |")
+    print(f"| Target.from_pretrained (read + dequantize; page cache as the write left it) | "
+          f"{r['load_s']} s |")
+    print(f"| peak host RSS of the loading process | {r['rss_peak_gib']} GiB "
+          f"({r['rss_before_gib']} GiB before the load) |")
     print(f"| peak GPU memory / the bf16 weights | {r['gpu_peak_gib']} / {r['weights_gib']} GiB |")
-    print(f"| layers.0.mlp.gate_proj == hand dequantization | {r['gate_proj_equals_hand_dequant']} |")
+    print(f"| layers.0.mlp.gate_proj == hand dequantization | "
+          f"{r['gate_proj_equals_hand_dequant']} |")

@@ -1,13 +1,14 @@
 """
-The DFlash drafter and its training objective (Chen et al., "DFlash: Block Diffusion for Flash Speculative
-Decoding", arXiv:2602.06036), in reading order:
+The DFlash drafter and its training objective (Chen et al., "DFlash: Block Diffusion for Flash
+Speculative Decoding", arXiv:2602.06036), in reading order:
   1) anchor sampling: which positions of a packed row start a draft block this step
-  2) THE anchor mask_mod: which keys each block query may see (one definition for every attention path)
+  2) THE anchor mask_mod: which keys each block query may see (one definition for every attention
+     path)
   3) the same mask as flex_attention BlockMask lists, in closed form
   4) the loss: weighted cross-entropy through the target's frozen LM head, chunked
-  5) the drafter: Qwen3 layers (full or sliding-window attention, RoPE default/linear/YaRN) over a block
-     [anchor, mask x (B-1)] whose keys/values also see the target's fused hidden states; its training
-     forward, the serving-side `propose`, and FLOPs
+  5) the drafter: Qwen3 layers (full or sliding-window attention, RoPE default/linear/YaRN) over a
+     block [anchor, mask x (B-1)] whose keys/values also see the target's fused hidden states; its
+     training forward, the serving-side `propose`, and FLOPs
   6) export: save/load in the z-lab format that SGLang, vLLM and z-lab/dflash load
 Notation: S context tokens in a packed row, N anchors (draft blocks) per row, B tokens per block.
 """
@@ -26,14 +27,15 @@ from target import MLP, ROPE_TYPES, RMSNorm, apply_rope, rope_cos_sin, rope_type
 # 1) anchors
 
 def sample_anchors(loss_mask, doc, per_doc, capacity):
-    """The anchors of one packed row, as the DFlash recipe samples them (paper sec. 4.2: a fixed number of
-    blocks per sequence, positions drawn at random every epoch): in every document, min(per_doc, eligible)
-    positions uniformly without replacement, where a is eligible iff loss_mask[a] = loss_mask[a+1] = 1 in one
-    document (the anchor is a served token and its first drafted token is supervised). A row that wants more
-    than `capacity` keeps the lowest-ranked draws of every document (max-min fair: short documents keep all of
-    theirs, long ones share the rest evenly). Sorted (sorted anchors keep flex tiles sparse), on device, no
-    host sync. Returns anchors [capacity] long (0 in padded slots), keep [capacity] bool, and the number the
-    row wanted before the capacity cut (a 0-d tensor)."""
+    """The anchors of one packed row, as the DFlash recipe samples them (paper sec. 4.2: a fixed
+    number of blocks per sequence, positions drawn at random every epoch): in every document,
+    min(per_doc, eligible) positions uniformly without replacement, where a is eligible iff
+    loss_mask[a] = loss_mask[a+1] = 1 in one document (the anchor is a served token and its first
+    drafted token is supervised). A row that wants more than `capacity` keeps the lowest-ranked
+    draws of every document (max-min fair: short documents keep all of theirs, long ones share the
+    rest evenly). Sorted (sorted anchors keep flex tiles sparse), on device, no host sync. Returns
+    anchors [capacity] long (0 in padded slots), keep [capacity] bool, and the number the row
+    wanted before the capacity cut (a 0-d tensor)."""
     S, dev = loss_mask.shape[0], loss_mask.device
     supervised = loss_mask > 0
     eligible = supervised[:-1] & supervised[1:] & (doc[:-1] == doc[1:])       # [S-1]
@@ -46,13 +48,14 @@ def sample_anchors(loss_mask, doc, per_doc, capacity):
     group_start[1:] = sorted_doc[1:] != sorted_doc[:-1]
     first = torch.where(group_start, i, 0).cummax(0).values
     rank = torch.empty_like(i)
-    rank[order] = i - first                                                 # draw order within the document
+    rank[order] = i - first                                  # draw order within the document
     wanted = eligible & (rank < per_doc)
-    score = torch.where(wanted, rank + key, float("inf"))                  # capacity: lowest ranks first
-    score = F.pad(score, (0, max(0, capacity - (S - 1))), value=float("inf"))  # a capacity past the row
+    score = torch.where(wanted, rank + key, float("inf"))    # capacity: lowest ranks first
+    # pad for a capacity past the row
+    score = F.pad(score, (0, max(0, capacity - (S - 1))), value=float("inf"))
     picked = score.topk(capacity, largest=False).indices
     keep = score[picked] < float("inf")
-    anchors = torch.where(keep, picked, S).sort().values                   # padded slots sort last
+    anchors = torch.where(keep, picked, S).sort().values     # padded slots sort last
     keep = anchors < S
     return torch.where(keep, anchors, 0), keep, wanted.sum()
 
@@ -60,15 +63,16 @@ def sample_anchors(loss_mask, doc, per_doc, capacity):
 # 2) the mask
 
 def anchor_mask_mod(anchors, keep, doc, S, B, window=0):
-    """THE training mask, in flex_attention's mask_mod form. KV = [context (S) | block_0 .. block_{N-1}],
-    Q = the blocks. A query of block j sees context kv < anchor_j in the anchor's document (strictly before:
-    the anchor's own hidden state does not exist yet at serving time), plus all B keys of its own block in
-    both directions. Padded slots (keep False) see nothing. Indices are clamped because flex also evaluates
-    padded tiles past Q_LEN/KV_LEN. Every per-step value is a device tensor, so nothing recompiles.
-    window > 0 (a sliding_attention layer) further keeps, as SGLang, vLLM and SpecForge serve and train it,
-    only keys at most window-1 positions before the query and none after it: the query at anchor+k sees
-    context from anchor+k-(window-1) and block slots k-(window-1)..k (causal in the block). The window is a
-    run constant (a Python int, part of the compiled graph)."""
+    """THE training mask, in flex_attention's mask_mod form. KV = [context (S) | block_0 ..
+    block_{N-1}], Q = the blocks. A query of block j sees context kv < anchor_j in the anchor's
+    document (strictly before: the anchor's own hidden state does not exist yet at serving time),
+    plus all B keys of its own block in both directions. Padded slots (keep False) see nothing.
+    Indices are clamped because flex also evaluates padded tiles past Q_LEN/KV_LEN. Every per-step
+    value is a device tensor, so nothing recompiles.
+    window > 0 (a sliding_attention layer) further keeps, as SGLang, vLLM and SpecForge serve and
+    train it, only keys at most window-1 positions before the query and none after it: the query at
+    anchor+k sees context from anchor+k-(window-1) and block slots k-(window-1)..k (causal in the
+    block). The window is a run constant (a Python int, part of the compiled graph)."""
     N = anchors.shape[0]
     def mask_mod(b, h, q_idx, kv_idx):
         j = (q_idx // B).clamp(max=N - 1)
@@ -77,8 +81,9 @@ def anchor_mask_mod(anchors, keep, doc, S, B, window=0):
         own_block = (kv_idx >= S) & ((kv_idx - S) // B == j)
         allowed = (context | own_block) & keep[j]
         if window:
-            q_at = a + q_idx % B                                         # row index of the query's position
-            kv_at = torch.where(kv_idx < S, kv_idx, a + (kv_idx - S) % B)  # and of the key's
+            # row indices of the query's position and of the key's
+            q_at = a + q_idx % B
+            kv_at = torch.where(kv_idx < S, kv_idx, a + (kv_idx - S) % B)
             allowed = allowed & (kv_at <= q_at) & (q_at - kv_at < window)
         return allowed
     return mask_mod
@@ -87,22 +92,23 @@ def anchor_mask_mod(anchors, keep, doc, S, B, window=0):
 # 3) the mask as BlockMask lists
 
 def anchor_blocks(anchors, keep, doc, S, B, window=0, tile=128):
-    """The BlockMask of anchor_mask_mod in closed form, eager and sort-free on the device: (kv_num, kv_idx,
-    full_kv_num, full_kv_idx, q_num, q_idx, full_q_num, full_q_idx), exactly what create_block_mask returns
-    (the tests check it). Not create_block_mask inside the compiled step: on torch 2.11 its argsort
-    compiles to a Triton sort that takes minutes (pytorch/pytorch#182060).
-    Needs each document to be one contiguous run of `doc`, as the packer writes rows: then query row r of
-    anchor j (slot k = r % B) sees one interval of context, [start of a_j's document, a_j), and one of its
-    own block, all B keys; a sliding window (window > 0) raises the context start to a_j + k - (window-1)
-    and makes the block part [k - (window-1), k]."""
+    """The BlockMask of anchor_mask_mod in closed form, eager and sort-free on the device: (kv_num,
+    kv_idx, full_kv_num, full_kv_idx, q_num, q_idx, full_q_num, full_q_idx), exactly what
+    create_block_mask returns (the tests check it). Not create_block_mask inside the compiled step:
+    on torch 2.11 its argsort compiles to a Triton sort that takes minutes (pytorch/pytorch#182060).
+    Needs each document to be one contiguous run of `doc`, as the packer writes rows: then query row
+    r of anchor j (slot k = r % B) sees one interval of context, [start of a_j's document, a_j), and
+    one of its own block, all B keys; a sliding window (window > 0) raises the context start to
+    a_j + k - (window-1) and makes the block part [k - (window-1), k]."""
     N, dev = anchors.shape[0], anchors.device
     Q, KV = N * B, S + N * B
     t = torch.arange(S, device=dev)
     new_doc = torch.ones(S, dtype=torch.bool, device=dev)
     new_doc[1:] = doc[1:] != doc[:-1]
-    doc_start = torch.where(new_doc, t, 0).cummax(0).values             # first position of each token's document
+    # first position of each token's document
+    doc_start = torch.where(new_doc, t, 0).cummax(0).values
     r = torch.arange(-(-Q // tile) * tile, device=dev)[:, None]         # (tile-padded) query rows
-    j, k = r // B, r % B                                                 # their anchor and block slot
+    j, k = r // B, r % B                                                 # their anchor, block slot
     real = j < N
     j = j.clamp(max=N - 1)
     a, kept = anchors[j], keep[j]
@@ -116,7 +122,8 @@ def anchor_blocks(anchors, keep, doc, S, B, window=0, tile=128):
     sees_context = lo.maximum(k0) < hi.minimum(k1)
     sees_block = blo.maximum(k0) < bhi.minimum(k1)
     hit = kept & real & (sees_context | sees_block)
-    ctx_end, blk_start = k1.clamp(max=S), k0.clamp(min=S)   # a tile is [k0, ctx_end) context, [blk_start, k1) blocks
+    # a tile is [k0, ctx_end) context, [blk_start, k1) blocks
+    ctx_end, blk_start = k1.clamp(max=S), k0.clamp(min=S)
     context_full = (k0 >= ctx_end) | ((lo <= k0) & (ctx_end <= hi))
     block_full = (blk_start >= k1) | ((blo <= blk_start) & (k1 <= bhi))
     full = kept & real & context_full & block_full
@@ -124,7 +131,8 @@ def anchor_blocks(anchors, keep, doc, S, B, window=0, tile=128):
     hit = hit.view(R, tile, -1).any(1)                                   # [q tiles, kv tiles]
     full = full.view(R, tile, -1).all(1)
     partial = hit & ~full
-    def ordered(dense):   # as flex's own: block count per row, indices of the set blocks first, ascending
+    # as flex's own: block count per row, indices of the set blocks first, ascending
+    def ordered(dense):
         idx = torch.argsort(dense.to(torch.int32), dim=-1, descending=True, stable=True)
         count = dense.sum(-1).to(torch.int32)
         # flex reads the index lists row-major: keep them contiguous (argsort of a transpose is not)
@@ -135,9 +143,9 @@ def anchor_blocks(anchors, keep, doc, S, B, window=0, tile=128):
 # 4) the loss
 
 class _WeightedCE(torch.autograd.Function):
-    """sum_i w_i * CE(h_i @ W^T, y_i) over the frozen LM head, in chunks of rows so the [N*B, vocab] logits
-    never exist at once. The gradient wrt h is computed in the forward (W is frozen, so it is the only
-    gradient), which saves re-running the 2*Q*V*H-FLOP logits GEMM in the backward."""
+    """sum_i w_i * CE(h_i @ W^T, y_i) over the frozen LM head, in chunks of rows so the [N*B, vocab]
+    logits never exist at once. The gradient wrt h is computed in the forward (W is frozen, so it is
+    the only gradient), which saves re-running the 2*Q*V*H-FLOP logits GEMM in the backward."""
     @staticmethod
     def forward(ctx, h, weight, labels, w, chunk):
         loss, pred, grads = h.new_zeros((), dtype=torch.float32), [], []
@@ -167,46 +175,50 @@ class _WeightedCE(torch.autograd.Function):
 # 5) the drafter
 
 def default_target_layer_ids(n_target_layers, n_feat):
-    # z-lab/SpecForge/SGLang formula: evenly spaced from layer 1 to L-3, e.g. [1,16,31,46,61] for 64 layers
+    # z-lab/SpecForge/SGLang formula: evenly spaced from layer 1 to L-3,
+    # e.g. [1,16,31,46,61] for 64 layers
     if n_feat == 1:
         return [n_target_layers // 2]
     return [int(round(1 + i * (n_target_layers - 4) / (n_feat - 1))) for i in range(n_feat)]
 
-FULL, SLIDING = "full_attention", "sliding_attention"     # the layer kinds of HF layer_types a drafter has
+# the layer kinds of HF layer_types a drafter has
+FULL, SLIDING = "full_attention", "sliding_attention"
 
-# z-lab's published drafters by target (layers, hidden size, routed experts); the rest of their geometry is
-# from_target's rule (32 heads of 128, 8 kv heads; intermediate the target's SwiGLU width)
+# z-lab's published drafters by target (layers, hidden size, routed experts); the rest of
+# their geometry is from_target's rule (32 heads of 128, 8 kv heads; intermediate the
+# target's SwiGLU width)
 PUBLISHED_DRAFTERS = {
-    # z-lab/Qwen3.6-27B-DFlash (and Qwen3.5-27B): 4 x sliding 2048 + 1 full, taps [1, 16, 31, 46, 61]
+    # z-lab/Qwen3.6-27B-DFlash (and Qwen3.5-27B): 4 x sliding 2048 + 1 full,
+    # taps [1, 16, 31, 46, 61]
     (64, 5120, 0): dict(n_feat=5, num_hidden_layers=5, sliding_window=2048, mask_token_id=248070),
-    # z-lab/Qwen3.5-35B-A3B-DFlash and Qwen3.6-35B-A3B-DFlash (revision of June 2026): 5 x sliding 4096 + 1
-    # full, taps [1, 6, 11, 16, 22, 27, 32, 37], intermediate 6144, mask 248077
+    # z-lab/Qwen3.5-35B-A3B-DFlash and Qwen3.6-35B-A3B-DFlash (revision of June 2026):
+    # 5 x sliding 4096 + 1 full, taps [1, 6, 11, 16, 22, 27, 32, 37], intermediate 6144, mask 248077
     (40, 2048, 256): dict(n_feat=8, num_hidden_layers=6, sliding_window=4096, mask_token_id=248077,
                           intermediate_size=6144),
 }
 
 @dataclass
 class DrafterConfig:
-    hidden_size: int = 5120             # must equal the target's hidden size (block embeddings are the target's)
+    hidden_size: int = 5120             # equals the target's (block embeddings are the target's)
     intermediate_size: int = 17408      # SwiGLU width (z-lab uses the target's)
     num_hidden_layers: int = 5          # drafter decoder layers
     num_attention_heads: int = 32       # Qwen3-style attention, independent of the target's
     num_key_value_heads: int = 8
     head_dim: int = 128
-    target_layer_ids: list = field(default_factory=lambda: [1, 16, 31, 46, 61])  # tapped target layer outputs
+    target_layer_ids: list = field(default_factory=lambda: [1, 16, 31, 46, 61])  # tapped layers
     num_target_layers: int = 64         # engines range-check target_layer_ids against it
     block_size: int = 16                # anchor + 15 drafted tokens
-    mask_token_id: int = 248070         # a row of the target's embedding used for the 15 masked slots
+    mask_token_id: int = 248070         # the target's embedding row used for the 15 masked slots
     vocab_size: int = 248320            # the target's (embedding and LM head are borrowed)
     rope_theta: float = 1e7             # the target's
     max_position_embeddings: int = 262144
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False   # copied from the target (informational)
     layer_types: list = None            # per layer FULL or SLIDING (None: all FULL)
-    sliding_window: int = None          # tokens a SLIDING layer's query sees, itself included (HF meaning)
+    sliding_window: int = None          # tokens a SLIDING query sees, itself included (HF meaning)
     use_sliding_window: bool = None     # HF Qwen3Config's switch (None: True iff a layer slides)
-    max_window_layers: int = None       # HF Qwen3Config field, kept for export (explicit layer_types rule)
-    rope_scaling: dict = None           # HF rope_scaling: None (plain RoPE) or {"rope_type": "linear"/"yarn", ...}
+    max_window_layers: int = None       # HF Qwen3Config field; only exported (layer_types rules)
+    rope_scaling: dict = None           # None (plain RoPE) or {"rope_type": "linear"/"yarn", ...}
 
     def __post_init__(self):
         L = self.num_hidden_layers
@@ -220,13 +232,18 @@ class DrafterConfig:
         kind, s = rope_type(self.rope_scaling), self.rope_scaling or {}
         factor = s.get("factor")
         checks = [
-            (len(self.layer_types) == L, f"layer_types has {len(self.layer_types)} entries for {L} layers"),
-            (not bad, f"layer_types: {bad[0] if bad else ''!r} is not supported ({FULL} or {SLIDING})"),
+            (len(self.layer_types) == L,
+             f"layer_types has {len(self.layer_types)} entries for {L} layers"),
+            (not bad,
+             f"layer_types: {bad[0] if bad else ''!r} is not supported ({FULL} or {SLIDING})"),
             (not slides or (type(self.sliding_window) is int and self.sliding_window > 0),
-             f"sliding_window {self.sliding_window!r}: sliding layers need a positive window (tokens)"),
-            (not slides or self.use_sliding_window, "use_sliding_window is false but layer_types has sliding "
-             "layers (HF then drops sliding_window)"),
-            (kind in ROPE_TYPES, f"rope_scaling: rope_type {kind!r} is not supported ({', '.join(ROPE_TYPES)})"),
+             f"sliding_window {self.sliding_window!r}: sliding layers need a positive window "
+             "(tokens)"),
+            (not slides or self.use_sliding_window,
+             "use_sliding_window is false but layer_types has sliding layers (HF then drops "
+             "sliding_window)"),
+            (kind in ROPE_TYPES,
+             f"rope_scaling: rope_type {kind!r} is not supported ({', '.join(ROPE_TYPES)})"),
             (kind == "default" or (isinstance(factor, (int, float)) and factor > 0),
              f"rope_scaling: {kind} needs a positive factor, got {factor!r}"),
         ]
@@ -235,33 +252,43 @@ class DrafterConfig:
                 raise ValueError(msg)
 
     def windows(self):
-        """{layer kind: window} for the kinds present (0: full attention), the masks one step builds."""
-        return {t: self.sliding_window if t == SLIDING else 0 for t in sorted(set(self.layer_types))}
+        """{layer kind: window} for the kinds present (0: full attention), the masks one step
+        builds."""
+        return {t: self.sliding_window if t == SLIDING else 0
+                for t in sorted(set(self.layer_types))}
 
     @classmethod
     def from_target(cls, t, n_feat=None, sliding_window=None, **overrides):
-        """Defaults: z-lab's published drafter for the target's geometry (PUBLISHED_DRAFTERS), else n_feat 3 taps
-        under 16 target layers (5 from 16 up) and 5 full-attention layers. sliding_window: tokens per sliding
-        layer, all layers but the last sliding as in the published drafters; 0 for all full attention."""
+        """Defaults: z-lab's published drafter for the target's geometry (PUBLISHED_DRAFTERS), else
+        n_feat 3 taps under 16 target layers (5 from 16 up) and 5 full-attention layers.
+        sliding_window: tokens per sliding layer, all layers but the last sliding as in the
+        published drafters; 0 for all full attention."""
         pub = PUBLISHED_DRAFTERS.get((t.num_hidden_layers, t.hidden_size, t.num_experts), {})
         n_feat = n_feat or pub.get("n_feat", 3 if t.num_hidden_layers < 16 else 5)
-        toy = t.hidden_size < 1024   # toy drafters (CPU demo) get small attention instead of 32 heads of 128
-        known_mask = {248320: 248070, 151936: 151669}   # published z-lab mask ids for Qwen3.5/3.6 and Qwen3
-        dense_width = 3 * t.hidden_size if t.num_experts else t.intermediate_size   # an MoE target has no SwiGLU
-        kw = dict(hidden_size=t.hidden_size, intermediate_size=pub.get("intermediate_size", dense_width),
+        # toy drafters (CPU demo) get small attention instead of 32 heads of 128
+        toy = t.hidden_size < 1024
+        # published z-lab mask ids for Qwen3.5/3.6 and Qwen3
+        known_mask = {248320: 248070, 151936: 151669}
+        # an MoE target has no SwiGLU
+        dense_width = 3 * t.hidden_size if t.num_experts else t.intermediate_size
+        kw = dict(hidden_size=t.hidden_size,
+                  intermediate_size=pub.get("intermediate_size", dense_width),
                   num_hidden_layers=pub.get("num_hidden_layers", cls.num_hidden_layers),
                   num_attention_heads=4 if toy else 32, num_key_value_heads=2 if toy else 8,
                   head_dim=16 if toy else 128,
                   target_layer_ids=default_target_layer_ids(t.num_hidden_layers, n_feat),
                   num_target_layers=t.num_hidden_layers,
-                  mask_token_id=pub.get("mask_token_id", known_mask.get(t.vocab_size, t.vocab_size - 1)),
-                  vocab_size=t.vocab_size, rope_theta=t.rope_theta, max_position_embeddings=t.max_position_embeddings,
+                  mask_token_id=pub.get("mask_token_id",
+                                        known_mask.get(t.vocab_size, t.vocab_size - 1)),
+                  vocab_size=t.vocab_size, rope_theta=t.rope_theta,
+                  max_position_embeddings=t.max_position_embeddings,
                   rms_norm_eps=t.rms_norm_eps, tie_word_embeddings=t.tie_word_embeddings)
         kw.update({k: v for k, v in overrides.items() if v is not None})
         if sliding_window is None:
             sliding_window = pub.get("sliding_window", 0)
         if sliding_window < 0:
-            raise ValueError(f"sliding window {sliding_window}: tokens, or 0 for all full attention")
+            raise ValueError(f"sliding window {sliding_window}: tokens, or 0 for all full "
+                             "attention")
         L = kw["num_hidden_layers"]
         if sliding_window and L > 1:
             kw.update(layer_types=[SLIDING] * (L - 1) + [FULL], sliding_window=sliding_window)
@@ -277,17 +304,20 @@ def _dense_attention(allowed):
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
         if allowed is None:
             return o
-        return o.masked_fill(~allowed.any(-1)[:, None], 0.0)       # padded slots: zeros, as flex gives
+        # padded slots: zeros, as flex gives
+        return o.masked_fill(~allowed.any(-1)[:, None], 0.0)
     return attend
 
 def _flex_attention(block_mask, kernel_options):
     from torch.nn.attention.flex_attention import flex_attention
     def attend(q, k, v):
-        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True, kernel_options=kernel_options or None)
+        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True,
+                              kernel_options=kernel_options or None)
     return attend
 
 def block_lists(config, anchors, keep, doc, S):
-    """{layer kind: anchor_blocks(...)}: the BlockMask lists of each mask a step uses, built before the graph."""
+    """{layer kind: anchor_blocks(...)}: the BlockMask lists of each mask a step uses, built before
+    the graph."""
     return {kind: anchor_blocks(anchors, keep, doc, S, config.block_size, window)
             for kind, window in config.windows().items()}
 
@@ -295,7 +325,9 @@ class DrafterAttention(nn.Module):
     """Qwen3 attention whose keys/values are [context ; block] and whose queries are the block."""
     def __init__(self, c):
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.n_heads = c.num_attention_heads
+        self.n_kv_heads = c.num_key_value_heads
+        self.head_dim = c.head_dim
         q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         self.q_proj = nn.Linear(c.hidden_size, q_dim, bias=False)
         self.k_proj = nn.Linear(c.hidden_size, kv_dim, bias=False)
@@ -306,11 +338,11 @@ class DrafterAttention(nn.Module):
 
     def forward(self, x, ctx, rope_q, rope_kv, attend):
         Q, KV, hd = x.shape[0], ctx.shape[0] + x.shape[0], self.head_dim
-        kv_in = torch.cat([ctx, x])                                        # context keys first, then the block
+        kv_in = torch.cat([ctx, x])                                # context keys, then the block's
         q = apply_rope(self.q_norm(self.q_proj(x).view(Q, self.n_heads, hd)), *rope_q)
         k = apply_rope(self.k_norm(self.k_proj(kv_in).view(KV, self.n_kv_heads, hd)), *rope_kv)
         v = self.v_proj(kv_in).view(KV, self.n_kv_heads, hd)
-        o = attend(*(t.transpose(0, 1)[None] for t in (q, k, v)))          # [1, heads, Q, hd]
+        o = attend(*(t.transpose(0, 1)[None] for t in (q, k, v)))  # [1, heads, Q, hd]
         return self.o_proj(o[0].transpose(0, 1).reshape(Q, self.n_heads * hd))
 
 class DrafterLayer(nn.Module):
@@ -338,10 +370,11 @@ class Drafter(nn.Module):
                 nn.init.normal_(p, std=0.02)
 
     def hidden(self, feats, ctx_pos, block_emb, block_pos, attend):
-        """feats [S, n_feat*H] target features, block_emb [Q, H], positions for RoPE, attend {layer kind:
-        attention function} -> [Q, H] (final-normed)."""
+        """feats [S, n_feat*H] target features, block_emb [Q, H], positions for RoPE, attend {layer
+        kind: attention function} -> [Q, H] (final-normed)."""
         c = self.config
-        ctx = self.hidden_norm(self.fc(feats))          # the same fused context feeds k/v of every layer
+        # the same fused context feeds k/v of every layer
+        ctx = self.hidden_norm(self.fc(feats))
         rope_q = drafter_rope(block_pos, c)
         rope_kv = drafter_rope(torch.cat([ctx_pos, block_pos]), c)
         h = block_emb.to(ctx.dtype)
@@ -349,77 +382,88 @@ class Drafter(nn.Module):
             h = layer(h, ctx, rope_q, rope_kv, attend[kind])
         return self.norm(h)
 
-    def forward(self, feats, tokens, loss_mask, doc, pos, anchors, keep, embed, head, gamma=7.0, flex=None,
-                blocks=None, ce_chunk=1024):
+    def forward(self, feats, tokens, loss_mask, doc, pos, anchors, keep, embed, head, gamma=7.0,
+                flex=None, blocks=None, ce_chunk=1024):
         """Masked training forward over one packed row. feats [S, n_feat*H] target features;
-        tokens/loss_mask/doc/pos [S]; anchors/keep [N] from sample_anchors; embed/head the target's frozen
-        weights [vocab, H]. flex: None -> dense boolean mask + SDPA (CPU); else a dict of flex_attention
-        kernel options (GPU), with blocks = block_lists(...) computed before the compiled graph.
-        Returns a dict of device tensors: the loss and the sums behind acceptance and per-slot accuracy."""
+        tokens/loss_mask/doc/pos [S]; anchors/keep [N] from sample_anchors; embed/head the target's
+        frozen weights [vocab, H]. flex: None -> dense boolean mask + SDPA (CPU); else a dict of
+        flex_attention kernel options (GPU), with blocks = block_lists(...) computed before the
+        compiled graph. Returns a dict of device tensors: the loss and the sums behind acceptance
+        and per-slot accuracy."""
         c, S, N, B = self.config, tokens.shape[0], anchors.shape[0], self.config.block_size
         dev = tokens.device
         k = torch.arange(B, device=dev)
-        idx = anchors[:, None] + k                                        # [N, B] absolute positions of the block
+        idx = anchors[:, None] + k                         # [N, B] absolute positions of the block
         inside = idx < S
         idx = idx.clamp(max=S - 1)
         is_anchor = (k == 0) & keep[:, None]
-        block_ids = tokens[anchors][:, None].expand(N, B).masked_fill(~is_anchor, c.mask_token_id)  # [N, B]
-        attend = {}                                     # one mask per layer kind present, shared by its layers
+        # [N, B]: the anchor's token, then mask tokens (all mask tokens in a padded slot)
+        block_ids = tokens[anchors][:, None].expand(N, B).masked_fill(~is_anchor, c.mask_token_id)
+        # one mask per layer kind present, shared by its layers
+        attend = {}
         for kind, window in c.windows().items():
             mask_mod = anchor_mask_mod(anchors, keep, doc, S, B, window)
             if flex is None:
                 q_idx = torch.arange(N * B, device=dev)[:, None]
-                allowed = mask_mod(0, 0, q_idx, torch.arange(S + N * B, device=dev)[None, :])  # [Q, KV]
+                kv_idx = torch.arange(S + N * B, device=dev)[None, :]
+                allowed = mask_mod(0, 0, q_idx, kv_idx)                     # [Q, KV]
                 attend[kind] = _dense_attention(allowed)
             else:
                 from torch.nn.attention.flex_attention import BlockMask
-                bm = BlockMask((N * B, S + N * B), *blocks[kind], BLOCK_SIZE=(128, 128), mask_mod=mask_mod)
+                bm = BlockMask((N * B, S + N * B), *blocks[kind], BLOCK_SIZE=(128, 128),
+                               mask_mod=mask_mod)
                 attend[kind] = _flex_attention(bm, flex)
-        block_pos = (pos[anchors][:, None] + k).view(-1)                  # RoPE positions anchor..anchor+B-1
+        block_pos = (pos[anchors][:, None] + k).view(-1)   # RoPE positions anchor..anchor+B-1
         h = self.hidden(feats, pos, F.embedding(block_ids.view(-1), embed), block_pos, attend)
-        # labels: block slot k predicts the token AT anchor+k (no extra shift); slot 0 is the anchor itself
+        # labels: block slot k predicts the token AT anchor+k (no extra shift); slot 0 is the
+        # anchor itself
         decay = torch.exp(-(k - 1).clamp(min=0).float() / gamma)
         same_doc = doc[idx] == doc[anchors][:, None]
         supervised = keep[:, None] & (k > 0) & inside & (loss_mask[idx] > 0) & same_doc
-        w = supervised.float() * decay                                    # [N, B]
+        w = supervised.float() * decay                     # [N, B]
         labels = tokens[idx]
         wce, pred = _WeightedCE.apply(h, head, labels.view(-1), w.view(-1), ce_chunk)
         correct = (pred.view(N, B) == labels) & supervised
-        accepted = 1 + correct[:, 1:].long().cumprod(1).sum(1)            # anchor + leading correct slots
-        return dict(loss=wce / w.sum().clamp(min=1e-6), accept_sum=(accepted * keep).sum(), blocks=keep.sum(),
-                    slot_correct=correct.sum(0), slot_count=supervised.sum(0))
+        accepted = 1 + correct[:, 1:].long().cumprod(1).sum(1)  # anchor + leading correct slots
+        return dict(loss=wce / w.sum().clamp(min=1e-6), accept_sum=(accepted * keep).sum(),
+                    blocks=keep.sum(), slot_correct=correct.sum(0), slot_count=supervised.sum(0))
 
     @torch.no_grad()
     def propose(self, ctx_feats, ctx_pos, anchor_token, anchor_pos, embed, head):
-        """What a serving engine runs: context = target features of the positions before the anchor, block =
-        [anchor, mask x (B-1)] at positions anchor_pos... Full layers: every key, no mask. Sliding layers, as
-        SGLang (models/dflash.py: DECODER attention, window sliding_window-1 keys left of the query) and vLLM
-        (models/qwen3_dflash.py: causal iff sliding; flash-attn window (W-1, 0)) run them: a key at position
-        p is seen by the query at q iff q - (W-1) <= p <= q. Returns (B-1 tokens, their logits)."""
+        """What a serving engine runs: context = target features of the positions before the anchor,
+        block = [anchor, mask x (B-1)] at positions anchor_pos... Full layers: every key, no mask.
+        Sliding layers, as SGLang (models/dflash.py: DECODER attention, window sliding_window-1 keys
+        left of the query) and vLLM (models/qwen3_dflash.py: causal iff sliding; flash-attn window
+        (W-1, 0)) run them: a key at position p is seen by the query at q iff q - (W-1) <= p <= q.
+        Returns (B-1 tokens, their logits)."""
         c = self.config
-        block = torch.full((c.block_size,), c.mask_token_id, dtype=torch.long, device=ctx_feats.device)
+        dev = ctx_feats.device
+        block = torch.full((c.block_size,), c.mask_token_id, dtype=torch.long, device=dev)
         block[0] = anchor_token
-        block_pos = anchor_pos + torch.arange(c.block_size, device=ctx_feats.device)
+        block_pos = anchor_pos + torch.arange(c.block_size, device=dev)
         q_at, kv_at = block_pos[:, None], torch.cat([ctx_pos, block_pos])[None, :]
-        attend = {kind: _dense_attention((kv_at <= q_at) & (q_at - kv_at < window) if window else None)
+        attend = {kind: _dense_attention((kv_at <= q_at) & (q_at - kv_at < window)
+                                         if window else None)
                   for kind, window in c.windows().items()}
         h = self.hidden(ctx_feats, ctx_pos, F.embedding(block, embed), block_pos, attend)
         logits = (h[1:] @ head.t()).float()
         return logits.argmax(-1), logits
 
     def flops(self, S, N, visible=None):
-        """Matmul FLOPs of one training step (fwd + bwd) at S context tokens and N anchors. visible: {layer kind:
-        the (query, key) pairs its mask lets through}, for the attention FLOPs (data dependent; None leaves
-        them out)."""
+        """Matmul FLOPs of one training step (fwd + bwd) at S context tokens and N anchors.
+        visible: {layer kind: the (query, key) pairs its mask lets through}, for the attention FLOPs
+        (data dependent; None leaves them out)."""
         c, Q = self.config, N * self.config.block_size
         q_o_mlp = c.hidden_size * (2 * c.num_attention_heads * c.head_dim + 3 * c.intermediate_size)
         kv = 2 * c.hidden_size * c.num_key_value_heads * c.head_dim
         fwd = 2 * c.num_hidden_layers * (Q * q_o_mlp + (S + Q) * kv)
         pairs = sum((visible or {}).get(kind, 0) for kind in c.layer_types)
-        attn = 4 * c.num_attention_heads * c.head_dim * pairs                               # QK^T and PV
-        fc = 2 * S * self.fc.in_features * c.hidden_size        # its input needs no gradient: fwd + dW only
+        attn = 4 * c.num_attention_heads * c.head_dim * pairs          # QK^T and PV
+        # fc's input needs no gradient: fwd + dW only
+        fc = 2 * S * self.fc.in_features * c.hidden_size
         head = 2 * Q * c.vocab_size * c.hidden_size
-        return 3 * (fwd + attn) + 2 * fc + 2 * head     # trainable GEMMs: fwd + 2x bwd; frozen head: logits + dh
+        # trainable GEMMs: fwd + 2x bwd; frozen head: logits + dh
+        return 3 * (fwd + attn) + 2 * fc + 2 * head
 
     # -------------------------------------------------------------------------
     # 6) export in the z-lab format
@@ -434,25 +478,30 @@ class Drafter(nn.Module):
                                       target_layer_ids=list(c.target_layer_ids)),
                    num_target_layers=c.num_target_layers, hidden_size=c.hidden_size,
                    intermediate_size=c.intermediate_size, num_hidden_layers=c.num_hidden_layers,
-                   num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
-                   head_dim=c.head_dim, hidden_act="silu", attention_bias=False, attention_dropout=0.0,
-                   rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta, rope_scaling=c.rope_scaling,
-                   max_position_embeddings=c.max_position_embeddings, layer_types=list(c.layer_types),
-                   use_sliding_window=c.use_sliding_window, sliding_window=c.sliding_window,
-                   max_window_layers=c.max_window_layers, vocab_size=c.vocab_size,
-                   tie_word_embeddings=c.tie_word_embeddings, initializer_range=0.02, dtype="bfloat16",
-                   torch_dtype="bfloat16", use_cache=True)
-        tensors = {k: v.detach().to(torch.bfloat16).contiguous().cpu() for k, v in self.state_dict().items()}
+                   num_attention_heads=c.num_attention_heads,
+                   num_key_value_heads=c.num_key_value_heads,
+                   head_dim=c.head_dim, hidden_act="silu", attention_bias=False,
+                   attention_dropout=0.0, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
+                   rope_scaling=c.rope_scaling, max_position_embeddings=c.max_position_embeddings,
+                   layer_types=list(c.layer_types), use_sliding_window=c.use_sliding_window,
+                   sliding_window=c.sliding_window, max_window_layers=c.max_window_layers,
+                   vocab_size=c.vocab_size, tie_word_embeddings=c.tie_word_embeddings,
+                   initializer_range=0.02, dtype="bfloat16", torch_dtype="bfloat16",
+                   use_cache=True)
+        tensors = {k: v.detach().to(torch.bfloat16).contiguous().cpu()
+                   for k, v in self.state_dict().items()}
         tmp = os.path.join(out_dir, f".tmp-{os.getpid()}")
         save_file(tensors, tmp + ".safetensors", metadata={"format": "pt"})
         with open(tmp + ".json", "w") as f:
             json.dump(cfg, f, indent=2)
-        os.replace(tmp + ".safetensors", os.path.join(out_dir, "model.safetensors"))   # atomic per file
+        # atomic per file
+        os.replace(tmp + ".safetensors", os.path.join(out_dir, "model.safetensors"))
         os.replace(tmp + ".json", os.path.join(out_dir, "config.json"))
 
     @classmethod
     def from_pretrained(cls, path, device="cpu", dtype=torch.float32):
-        """Loads a z-lab format drafter. A config field this drafter cannot honour is a ValueError naming it."""
+        """Loads a z-lab format drafter. A config field this drafter cannot honour is a ValueError
+        naming it."""
         from safetensors.torch import load_file
         with open(os.path.join(path, "config.json")) as f:
             cfg = json.load(f)
@@ -461,41 +510,49 @@ class Drafter(nn.Module):
         except ValueError as e:
             raise ValueError(f"{os.path.join(path, 'config.json')}: {e}") from None
         model = cls(config)
-        model.load_state_dict(load_file(os.path.join(path, "model.safetensors")))   # strict: exact key set
+        # strict: exact key set
+        model.load_state_dict(load_file(os.path.join(path, "model.safetensors")))
         return model.to(device=device, dtype=dtype)
 
 def config_from_json(cfg):
-    """DrafterConfig of a z-lab config.json dict (HF Qwen3Config fields + dflash_config). RoPE is read from either
-    spelling: transformers 4.x `rope_scaling` + top-level `rope_theta` (z-lab's), or 5.x `rope_parameters`."""
+    """DrafterConfig of a z-lab config.json dict (HF Qwen3Config fields + dflash_config). RoPE is
+    read from either spelling: transformers 4.x `rope_scaling` + top-level `rope_theta` (z-lab's),
+    or 5.x `rope_parameters`."""
     dflash = cfg.get("dflash_config", {})
     names = {f.name for f in fields(DrafterConfig)}
     kw = {k: v for k, v in cfg.items() if k in names}
     kw.update(block_size=dflash.get("block_size", cfg.get("block_size", 16)),
               mask_token_id=dflash["mask_token_id"], target_layer_ids=dflash["target_layer_ids"])
-    rope = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})   # 5.x: rope_scaling or rope_parameters
+    # 5.x: rope_scaling or rope_parameters
+    rope = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
     theta = rope.pop("rope_theta", cfg.get("rope_theta"))
     rotary = rope.pop("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
     kw.update(rope_theta=theta, rope_scaling=rope if rope_type(rope) != "default" else None)
-    if "layer_types" not in cfg:    # HF Qwen3Config's rule: sliding from layer max_window_layers on, if enabled
+    # HF Qwen3Config's rule: sliding from layer max_window_layers on, if enabled
+    if "layer_types" not in cfg:
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
         first = cfg.get("max_window_layers", 28)
         kw["layer_types"] = [SLIDING if window is not None and i >= first else FULL
                              for i in range(cfg["num_hidden_layers"])]
-    causal = cfg.get("is_causal", dflash.get("causal"))    # vLLM: an explicit value applies to every layer
+    # vLLM: an explicit value applies to every layer
+    causal = cfg.get("is_causal", dflash.get("causal"))
     kinds = set(kw["layer_types"])
     checks = [
         (theta is not None, "no rope_theta (top level or in rope_parameters)"),
         (not (set(rope) & {FULL, SLIDING}), "rope_parameters per layer type are not supported"),
-        (cfg.get("hidden_act", "silu") == "silu", f"hidden_act {cfg.get('hidden_act')!r}: only silu is supported"),
-        (not cfg.get("attention_bias"), "attention_bias true is not supported (q/k/v/o have no bias)"),
-        (not cfg.get("attention_dropout"), f"attention_dropout {cfg.get('attention_dropout')}: not supported "
+        (cfg.get("hidden_act", "silu") == "silu",
+         f"hidden_act {cfg.get('hidden_act')!r}: only silu is supported"),
+        (not cfg.get("attention_bias"),
+         "attention_bias true is not supported (q/k/v/o have no bias)"),
+        (not cfg.get("attention_dropout"),
+         f"attention_dropout {cfg.get('attention_dropout')}: not supported "
          "(the drafter trains without dropout)"),
         (rotary == 1.0, f"partial_rotary_factor {rotary}: only 1.0 is supported"),
         (rope_type(rope) != "yarn" or "original_max_position_embeddings" not in cfg,
          "a top-level original_max_position_embeddings is not supported; put it in rope_scaling"),
-        (causal is None or kinds == {SLIDING if causal else FULL}, f"is_causal / dflash_config.causal {causal}: "
-         f"this drafter trains sliding layers causal and full layers bidirectional, as the engines serve "
-         f"layer_types {sorted(kinds)}"),
+        (causal is None or kinds == {SLIDING if causal else FULL},
+         f"is_causal / dflash_config.causal {causal}: this drafter trains sliding layers causal "
+         f"and full layers bidirectional, as the engines serve layer_types {sorted(kinds)}"),
     ]
     for ok, msg in checks:
         if not ok:
@@ -503,34 +560,40 @@ def config_from_json(cfg):
     return DrafterConfig(**kw)
 
 # -----------------------------------------------------------------------------
-# the checks that flex_attention really computes THE mask, with the fused backward (train.py, bench.py)
+# the checks that flex_attention really computes THE mask, with the fused backward
+# (train.py, bench.py)
 
 def flex_backward_kernels(prof, kinds=1):
-    """Names of the flex_attention backward kernels a torch.profiler run saw, the fused ones first, and
-    whether the fused inductor template (triton_tem_fused_flex_attention_backward_*) ran for all `kinds`
-    masks (each mask_mod compiles its own). Outside a compiled graph flex runs a dense math backward instead
-    (~17 GB per layer at 512 anchors / 8192)."""
+    """Names of the flex_attention backward kernels a torch.profiler run saw, the fused ones first,
+    and whether the fused inductor template (triton_tem_fused_flex_attention_backward_*) ran for all
+    `kinds` masks (each mask_mod compiles its own). Outside a compiled graph flex runs a dense math
+    backward instead (~17 GB per layer at 512 anchors / 8192)."""
     names = {e.name for e in prof.events() if "flex_attention_backward" in e.name}
     names = sorted(names, key=lambda n: "_tem_" not in n)
     return names, sum("_tem_" in n for n in names) >= kinds
 
 def flex_matches_dense(config, device, kernel_options=None, candidate=None):
-    """The start-up self-check: one training step (loss and every gradient) of a small drafter with config's
-    head geometry, block size, RoPE and layer kinds (one layer of each; the window cut to 100 tokens so that
-    it binds), compiled flex_attention vs the dense mask + SDPA path, in fp32 without TF32, on a 512-token row
-    of 3 documents with padded anchor slots. A torch whose flex backward is silently wrong fails it (one such
-    bug: BlockMask index lists with wrong strides gave 60% wrong dK/dV). Leaves the RNG and dynamo's graph
-    count as it found them. candidate(drafter, inputs) replaces the compiled flex step (tests on CPU).
+    """The start-up self-check: one training step (loss and every gradient) of a small drafter with
+    config's head geometry, block size, RoPE and layer kinds (one layer of each; the window cut to
+    100 tokens so that it binds), compiled flex_attention vs the dense mask + SDPA path, in fp32
+    without TF32, on a 512-token row of 3 documents with padded anchor slots. A torch whose flex
+    backward is silently wrong fails it (one such bug: BlockMask index lists with wrong strides gave
+    60% wrong dK/dV). Leaves the RNG and dynamo's graph count as it found them.
+    candidate(drafter, inputs) replaces the compiled flex step (tests on CPU).
     Returns (loss rel err, max over parameters of the gradient rel err, seconds)."""
     t0 = time.perf_counter()
     S, N, lens = 512, 24, (150, 230, 132)
-    c = DrafterConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=len(config.windows()),
-                      num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_key_value_heads,
+    window = min(config.sliding_window, 100) if SLIDING in config.layer_types else None
+    c = DrafterConfig(hidden_size=128, intermediate_size=256,
+                      num_hidden_layers=len(config.windows()),
+                      num_attention_heads=config.num_attention_heads,
+                      num_key_value_heads=config.num_key_value_heads,
                       head_dim=config.head_dim, target_layer_ids=[0, 1], num_target_layers=2,
-                      block_size=config.block_size, mask_token_id=255, vocab_size=256, rope_theta=config.rope_theta,
-                      max_position_embeddings=config.max_position_embeddings, rms_norm_eps=config.rms_norm_eps,
-                      layer_types=list(config.windows()), rope_scaling=config.rope_scaling,
-                      sliding_window=min(config.sliding_window, 100) if SLIDING in config.layer_types else None)
+                      block_size=config.block_size, mask_token_id=255, vocab_size=256,
+                      rope_theta=config.rope_theta,
+                      max_position_embeddings=config.max_position_embeddings,
+                      rms_norm_eps=config.rms_norm_eps, layer_types=list(config.windows()),
+                      rope_scaling=config.rope_scaling, sliding_window=window)
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     devices = [device] if torch.device(device).type == "cuda" else []
@@ -540,12 +603,14 @@ def flex_matches_dense(config, device, kernel_options=None, candidate=None):
         pos = torch.cat([torch.arange(n) for n in lens]).to(device)
         tokens = torch.randint(0, 255, (S,), device=device)
         loss_mask = (torch.rand(S, device=device) < 0.8).long()
-        inside = torch.nonzero(doc[1:] == doc[:-1]).view(-1)             # positions with a next token in the doc
+        # positions with a next token in the doc
+        inside = torch.nonzero(doc[1:] == doc[:-1]).view(-1)
         picked = inside[torch.randperm(len(inside), device=device)[:N - 5]]
         starts = torch.tensor([0, lens[0], lens[0] + lens[1]], device=device)  # empty contexts
         anchors = torch.cat([picked, starts, torch.zeros(2, dtype=torch.long, device=device)])
         anchors[:-2] = anchors[:-2].sort().values
-        keep = torch.arange(N, device=device) < N - 2                     # 2 padded slots, as sample_anchors pads
+        # 2 padded slots, as sample_anchors pads
+        keep = torch.arange(N, device=device) < N - 2
         feats = torch.randn(S, 2 * c.hidden_size, device=device)
         embed, head = torch.randn(2, 256, c.hidden_size, device=device)
         d = Drafter(c).to(device)
@@ -561,7 +626,8 @@ def flex_matches_dense(config, device, kernel_options=None, candidate=None):
             for run in (lambda: d(*inputs), lambda: candidate(d, inputs)):
                 out = run()
                 out["loss"].backward()
-                results.append((out["loss"].detach().double(), [p.grad.double() for p in d.parameters()]))
+                results.append((out["loss"].detach().double(),
+                                [p.grad.double() for p in d.parameters()]))
                 d.zero_grad(set_to_none=True)
         finally:
             torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
@@ -569,4 +635,5 @@ def flex_matches_dense(config, device, kernel_options=None, candidate=None):
             torch._dynamo.utils.counters["stats"]["unique_graphs"] = graphs
     (loss, grads), (loss_, grads_) = results
     rel = lambda a, b: ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
-    return rel(loss_, loss), max(rel(g_, g) for g_, g in zip(grads_, grads)), time.perf_counter() - t0
+    return (rel(loss_, loss), max(rel(g_, g) for g_, g in zip(grads_, grads)),
+            time.perf_counter() - t0)

@@ -1,8 +1,9 @@
 """
-The frozen target: the Qwen3.5 / Qwen3.6 hybrid text model (Gated DeltaNet + gated attention), read straight
-from Hugging Face safetensors. fla-core kernels on GPU; the same math in plain torch on CPU, so every test runs
-without a GPU. The reference is transformers' models/qwen3_5/modeling_qwen3_5.py (test_smoke.py compares
-against it). The drafter (model.py) borrows the small shared pieces at the top of this file.
+The frozen target: the Qwen3.5 / Qwen3.6 hybrid text model (Gated DeltaNet + gated attention),
+read straight from Hugging Face safetensors. fla-core kernels on GPU; the same math in plain torch
+on CPU, so every test runs without a GPU. The reference is transformers'
+models/qwen3_5/modeling_qwen3_5.py (test_smoke.py compares against it). The drafter (model.py)
+borrows the small shared pieces at the top of this file.
 """
 import functools
 import json
@@ -19,7 +20,8 @@ import torch.nn.functional as F
 # pieces shared with the drafter
 
 def rms_norm(x, weight, eps, plus_one=False):
-    # Qwen3.5 stores its norms zero-centred (scale = 1 + w); Qwen3 and the GDN gated norm use plain w
+    # Qwen3.5 stores its norms zero-centred (scale = 1 + w); Qwen3 and the GDN gated norm use
+    # plain w
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     scale = weight.float() + 1.0 if plus_one else weight.float()
@@ -37,16 +39,18 @@ class RMSNorm(nn.Module):
 ROPE_TYPES = ("default", "linear", "yarn")   # HF rope_type values rope_inv_freq computes
 
 def rope_type(scaling):
-    # the rope_type of an HF rope_scaling / rope_parameters dict (transformers 4.x configs spell it "type")
+    # the rope_type of an HF rope_scaling / rope_parameters dict (transformers 4.x configs spell
+    # it "type")
     return "default" if not scaling else scaling.get("rope_type", scaling.get("type", "default"))
 
 def rope_inv_freq(dim, theta, scaling=None, max_positions=None, device=None):
-    """RoPE inverse frequencies [dim/2] over `dim` rotary dims, and the factor cos and sin are multiplied by,
-    exactly as transformers 5.x modeling_rope_utils.py computes them for rope_type default, linear and yarn
-    (YaRN: Peng et al., arXiv:2309.00071; the explicit factor wins over max_position_embeddings/original,
-    as in v5). scaling: the HF dict without rope_theta; max_positions: the config's max_position_embeddings,
-    YaRN's original length when the dict has none. A partial rotary computes over its rotary dims only
-    (HF: dim = head_dim * partial_rotary_factor)."""
+    """RoPE inverse frequencies [dim/2] over `dim` rotary dims, and the factor cos and sin are
+    multiplied by, exactly as transformers 5.x modeling_rope_utils.py computes them for rope_type
+    default, linear and yarn (YaRN: Peng et al., arXiv:2309.00071; the explicit factor wins over
+    max_position_embeddings/original, as in v5). scaling: the HF dict without rope_theta;
+    max_positions: the config's max_position_embeddings, YaRN's original length when the dict has
+    none. A partial rotary computes over its rotary dims only (HF: dim = head_dim *
+    partial_rotary_factor)."""
     s, kind = scaling or {}, rope_type(scaling)
     pos_freqs = theta ** (torch.arange(0, dim, 2, device=device).float() / dim)
     if kind == "default":
@@ -60,9 +64,10 @@ def rope_inv_freq(dim, theta, scaling=None, max_positions=None, device=None):
     if scale is None:
         both = s.get("mscale") and s.get("mscale_all_dim")
         scale = mscale(s["mscale"]) / mscale(s["mscale_all_dim"]) if both else mscale()
-    # pair i keeps its frequency below `low` rotations-wise (extrapolation), is divided by factor above
-    # `high` (interpolation), and ramps linearly between
-    corr = lambda rotations: dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+    # pair i keeps its frequency below `low` rotations-wise (extrapolation), is divided by factor
+    # above `high` (interpolation), and ramps linearly between
+    corr = lambda rotations: (dim * math.log(original / (rotations * 2 * math.pi))
+                              / (2 * math.log(theta)))
     low, high = corr(s.get("beta_fast") or 32), corr(s.get("beta_slow") or 1)
     if s.get("truncate", True):
         low, high = math.floor(low), math.ceil(high)
@@ -75,15 +80,16 @@ def rope_inv_freq(dim, theta, scaling=None, max_positions=None, device=None):
     return inv_freq, float(scale)
 
 def rope_cos_sin(pos, dim, theta, scaling=None, max_positions=None):
-    # NeoX-style rotary cos, sin [T, dim] in fp32 at positions pos [T], times the attention factor (HF
-    # multiplies both by it: YaRN's softmax temperature)
+    # NeoX-style rotary cos, sin [T, dim] in fp32 at positions pos [T], times the attention factor
+    # (HF multiplies both by it: YaRN's softmax temperature)
     inv_freq, scale = rope_inv_freq(dim, theta, scaling, max_positions, pos.device)
     angles = pos.float()[:, None] * inv_freq[None, :]
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos() * scale, angles.sin() * scale
 
 def apply_rope(x, cos, sin):
-    # x [T, heads, head_dim]; rotates the first cos.shape[-1] dims (partial RoPE), pairing i with i + rot/2
+    # x [T, heads, head_dim]; rotates the first cos.shape[-1] dims (partial RoPE), pairing i with
+    # i + rot/2
     rot = cos.shape[-1]
     x_rot, x_pass = x[..., :rot].float(), x[..., rot:]
     x1, x2 = x_rot[..., : rot // 2], x_rot[..., rot // 2:]
@@ -112,7 +118,8 @@ def positions_from_cu(cu_seqlens):
 
 @functools.lru_cache(maxsize=4)
 def _doc_index(cu):
-    # for boundaries cu (a tuple): the source index [n_docs, longest] of each padded slot, and which are real
+    # for boundaries cu (a tuple): the source index [n_docs, longest] of each padded slot, and
+    # which are real
     lens = torch.tensor(cu).diff()
     j = torch.arange(int(lens.max()))
     valid = j[None, :] < lens[:, None]
@@ -130,27 +137,31 @@ def unpad_docs(y, cu_list):
 # Gated DeltaNet core in plain torch (the CPU path, and the reference for the fla kernel)
 
 def torch_chunk_gated_delta_rule(q, k, v, g, beta, chunk=None):
-    """One document. q, k [T, heads, dk] (l2-normalised, q scaled, q/k heads repeated to the v heads),
-    v [T, heads, dv], g (log decay <= 0) and beta [T, heads]. Returns o [T, heads, dv] in fp32.
-    Recurrence per head with state M [dk, dv]:
+    """One document. q, k [T, heads, dk] (l2-normalised, q scaled, q/k heads repeated to the v
+    heads), v [T, heads, dv], g (log decay <= 0) and beta [T, heads]. Returns o [T, heads, dv] in
+    fp32. Recurrence per head with state M [dk, dv]:
         M <- exp(g_t) M;  M <- M + k_t (beta_t (v_t - M^T k_t))^T;  o_t = M^T q_t
     computed chunkwise in the WY form (Yang et al., Gated Delta Networks, arXiv:2412.06464)."""
     T, heads, dk = k.shape
-    chunk = chunk or min(64, max(16, dk))   # ~dk balances the O(C^2) in-chunk work against the O(dk dv) state work
+    # ~dk balances the O(C^2) in-chunk work against the O(dk dv) state work
+    chunk = chunk or min(64, max(16, dk))
     pad = (-T) % chunk
-    q, k, v, g, beta = [F.pad(t.float(), (0, 0) * (t.dim() - 1) + (0, pad)) for t in (q, k, v, g, beta)]
+    q, k, v, g, beta = [F.pad(t.float(), (0, 0) * (t.dim() - 1) + (0, pad))
+                        for t in (q, k, v, g, beta)]
     n = (T + pad) // chunk
-    q, k, v = [t.view(n, chunk, heads, -1).permute(2, 0, 1, 3) for t in (q, k, v)]   # [heads, n, C, d]
-    g, beta = [t.view(n, chunk, heads).permute(2, 0, 1) for t in (g, beta)]           # [heads, n, C]
-    gc = g.cumsum(-1)                                                     # cumulative log decay in a chunk
+    # q, k, v [heads, n, C, d]; g, beta [heads, n, C]
+    q, k, v = [t.view(n, chunk, heads, -1).permute(2, 0, 1, 3) for t in (q, k, v)]
+    g, beta = [t.view(n, chunk, heads).permute(2, 0, 1) for t in (g, beta)]
+    gc = g.cumsum(-1)                                          # cumulative log decay in a chunk
     tri = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
-    decay = (gc[..., :, None] - gc[..., None, :]).masked_fill(~tri, -float("inf")).exp()  # [heads, n, C, C]
+    # [heads, n, C, C]
+    decay = (gc[..., :, None] - gc[..., None, :]).masked_fill(~tri, -float("inf")).exp()
     kb = k * beta[..., None]
-    A = (kb @ k.transpose(-1, -2) * decay).tril(-1)                      # strictly lower part
+    A = (kb @ k.transpose(-1, -2) * decay).tril(-1)            # strictly lower part
     eye = torch.eye(chunk, device=q.device)
     Tinv = torch.linalg.solve_triangular(eye + A, eye.expand_as(A), upper=False)  # (I + A)^-1
-    u = Tinv @ (v * beta[..., None])                                      # pseudo-values
-    w = Tinv @ (kb * gc[..., None].exp())                                 # decayed keys
+    u = Tinv @ (v * beta[..., None])                           # pseudo-values
+    w = Tinv @ (kb * gc[..., None].exp())                      # decayed keys
     state = q.new_zeros(heads, dk, v.shape[-1])
     out = []
     for i in range(n):
@@ -173,12 +184,14 @@ def _fla():
 # -----------------------------------------------------------------------------
 # target config and layers
 
-# transformers' Qwen3_5TextConfig defaults where they differ from the 27B values below (a config.json
-# without the field gets these, as in transformers)
-HF_TEXT_DEFAULTS = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=32, num_attention_heads=16,
-                        linear_num_value_heads=32, max_position_embeddings=32768)
+# transformers' Qwen3_5TextConfig defaults where they differ from the 27B values below (a
+# config.json without the field gets these, as in transformers)
+HF_TEXT_DEFAULTS = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
+                        num_attention_heads=16, linear_num_value_heads=32,
+                        max_position_embeddings=32768)
 # Qwen3.5 MoE fields (transformers Qwen3_5MoeTextConfig): none may be set in a dense config
-MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
+MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+              "shared_expert_intermediate_size")
 
 @dataclass
 class TargetConfig:
@@ -187,7 +200,7 @@ class TargetConfig:
     intermediate_size: int = 17408      # SwiGLU width (dense targets; an MoE target has none)
     num_hidden_layers: int = 64         # decoder layers
     layer_types: list = None            # "linear_attention" (GDN) or "full_attention" per layer
-    full_attention_interval: int = 4    # without layer_types: layer i is full attention iff (i+1) % 4 == 0
+    full_attention_interval: int = 4    # no layer_types: layer i is full iff (i+1) % 4 == 0
     num_attention_heads: int = 24       # gated attention query heads
     num_key_value_heads: int = 4        # gated attention kv heads (GQA)
     head_dim: int = 256                 # gated attention head size (not hidden/heads)
@@ -198,12 +211,12 @@ class TargetConfig:
     linear_conv_kernel_dim: int = 4     # causal depthwise conv width
     rms_norm_eps: float = 1e-6          # every norm, the GDN gated norm included
     rope_theta: float = 1e7             # RoPE base
-    partial_rotary_factor: float = 0.25 # RoPE on the first 25% of each attention head (64 of 256 dims)
-    rope_scaling: dict = None           # None, or HF's rope dict of a linear/yarn rope_type (no rope_theta)
-    max_position_embeddings: int = 262144  # copied into the drafter config; YaRN's default original length
+    partial_rotary_factor: float = 0.25 # RoPE on the first 25% of each head (64 of 256 dims)
+    rope_scaling: dict = None           # None, or HF's linear/yarn rope dict (no rope_theta)
+    max_position_embeddings: int = 262144  # copied into the drafter; YaRN's default original
     tie_word_embeddings: bool = False   # lm_head shares embed_tokens
-    fp8_block: list = None              # block-FP8 checkpoint: [rows, cols] of a weight_scale_inv block
-    num_experts: int = 0                # routed experts per layer (qwen3_5_moe); 0: a dense SwiGLU MLP
+    fp8_block: list = None              # block-FP8 checkpoint: [rows, cols] of a scale block
+    num_experts: int = 0                # routed experts per layer (qwen3_5_moe); 0: dense MLP
     num_experts_per_tok: int = 8        # experts each token is routed to (top-k)
     moe_intermediate_size: int = 512    # SwiGLU width of each routed expert
     shared_expert_intermediate_size: int = 512  # SwiGLU width of the always-on shared expert
@@ -215,24 +228,29 @@ class TargetConfig:
             self.layer_types = ["full_attention" if (i + 1) % every == 0 else "linear_attention"
                                 for i in range(self.num_hidden_layers)]
         bad = set(self.layer_types) - {"full_attention", "linear_attention"}
-        assert not bad, f"unsupported layer_types {bad}: this target supports Qwen3.5/3.6 hybrid layers only"
-        assert len(self.layer_types) == self.num_hidden_layers, "layer_types must have one entry per layer"
+        assert not bad, (
+            f"unsupported layer_types {bad}: this target supports Qwen3.5/3.6 hybrid layers only")
+        assert len(self.layer_types) == self.num_hidden_layers, (
+            "layer_types must have one entry per layer")
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
-            raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok}: must be 1..num_experts "
-                             f"({self.num_experts})")
+            raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok}: must be "
+                             f"1..num_experts ({self.num_experts})")
 
     @classmethod
     def from_hf(cls, path):
-        """config.json of an HF checkpoint: the multimodal wrapper (text_config) or a text-only config.
-        Absent fields take transformers' defaults (Qwen3_5Config / Qwen3_5TextConfig); a field that changes
-        the math and that this target does not implement is a one-line ValueError naming it."""
+        """config.json of an HF checkpoint: the multimodal wrapper (text_config) or a text-only
+        config. Absent fields take transformers' defaults (Qwen3_5Config / Qwen3_5TextConfig); a
+        field that changes the math and that this target does not implement is a one-line
+        ValueError naming it."""
         file = os.path.join(path, "config.json") if os.path.isdir(path) else path
         with open(file) as f:
             cfg = json.load(f)
         arch = cfg.get("architectures", ["?"])[0]
-        if cfg.get("model_type") not in ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"):
-            raise ValueError(f"{file}: model_type {cfg.get('model_type')!r} ({arch}) is not supported; "
-                             "this trainer's target is the Qwen3.5/Qwen3.6 hybrid (model_type qwen3_5 or qwen3_5_moe)")
+        supported = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+        if cfg.get("model_type") not in supported:
+            raise ValueError(f"{file}: model_type {cfg.get('model_type')!r} ({arch}) is not "
+                             "supported; this trainer's target is the Qwen3.5/Qwen3.6 hybrid "
+                             "(model_type qwen3_5 or qwen3_5_moe)")
         text = cfg.get("text_config", cfg)
         def fail(field, value, why):
             raise ValueError(f"{file}: {field} = {value!r} is not supported: {why}")
@@ -240,19 +258,23 @@ class TargetConfig:
         given = {f.name: text[f.name] for f in fields(cls) if f.name in text}
         # absent fields take transformers' defaults; a qwen3_5_moe config must give its MoE geometry
         kw = given if moe else {**HF_TEXT_DEFAULTS, **given}
-        # the multimodal model ties lm_head by the wrapper's flag, not text_config's (transformers 5.x
-        # Qwen3_5ForConditionalGeneration); a text-only config reads its own. Both default to False.
+        # the multimodal model ties lm_head by the wrapper's flag, not text_config's (transformers
+        # 5.x Qwen3_5ForConditionalGeneration); a text-only config reads its own. Both default to
+        # False.
         kw["tie_word_embeddings"] = cfg.get("tie_word_embeddings", False)
         where = "text_config." if "text_config" in cfg else ""
         # transformers' qwen3_5_moe: every layer is MoE and the top-k weights always sum to 1
         moe_only = MOE_FIELDS + ("norm_topk_prob", "mlp_only_layers", "decoder_sparse_step")
         for field, ok, why in [
-                ("hidden_act", text.get("hidden_act", "silu") == "silu", "the MLP and the GDN conv use SiLU"),
-                ("attention_bias", not text.get("attention_bias", False), "the projections have no biases"),
-                *[(where + k, moe or not text.get(k), f"an MoE field in a dense {cfg['model_type']} config; "
+                ("hidden_act", text.get("hidden_act", "silu") == "silu",
+                 "the MLP and the GDN conv use SiLU"),
+                ("attention_bias", not text.get("attention_bias", False),
+                 "the projections have no biases"),
+                *[(where + k, moe or not text.get(k),
+                   f"an MoE field in a dense {cfg['model_type']} config; "
                    "use model_type qwen3_5_moe or remove it") for k in moe_only],
-                *[(where + k, not moe or k in text, f"a qwen3_5_moe config needs {', '.join(MOE_FIELDS)}")
-                  for k in MOE_FIELDS],
+                *[(where + k, not moe or k in text,
+                   f"a qwen3_5_moe config needs {', '.join(MOE_FIELDS)}") for k in MOE_FIELDS],
                 (where + "norm_topk_prob", not moe or text.get("norm_topk_prob", True) is True,
                  "qwen3_5_moe renormalises the top-k weights"),
                 (where + "mlp_only_layers", not moe or not text.get("mlp_only_layers"),
@@ -262,7 +284,8 @@ class TargetConfig:
             if not ok:
                 fail(field, text.get(field.split(".")[-1]), why)
         if moe:
-            kw.setdefault("intermediate_size", 0)   # no dense SwiGLU (qwen3_5_moe configs have no such field)
+            # no dense SwiGLU (qwen3_5_moe configs have no such field)
+            kw.setdefault("intermediate_size", 0)
             if not 0 < kw["num_experts_per_tok"] <= kw["num_experts"]:
                 fail(where + "num_experts_per_tok", kw["num_experts_per_tok"],
                      f"must be 1..num_experts ({kw['num_experts']})")
@@ -270,9 +293,11 @@ class TargetConfig:
         if types is not None:
             bad = [t for t in types if t not in ("full_attention", "linear_attention")]
             if bad:
-                fail("layer_types", bad[0], "Qwen3.5/3.6 layers are full_attention or linear_attention")
+                fail("layer_types", bad[0],
+                     "Qwen3.5/3.6 layers are full_attention or linear_attention")
             if len(types) != kw["num_hidden_layers"]:
-                fail("layer_types", f"{len(types)} entries", f"num_hidden_layers is {kw['num_hidden_layers']}")
+                fail("layer_types", f"{len(types)} entries",
+                     f"num_hidden_layers is {kw['num_hidden_layers']}")
         kw.update(cls._rope_from_hf(text, fail))
         quant = cfg.get("quantization_config") or text.get("quantization_config")
         kw["fp8_block"] = cls._fp8_from_hf(quant, fail)
@@ -280,25 +305,28 @@ class TargetConfig:
 
     @staticmethod
     def _rope_from_hf(text, fail):
-        # transformers 5.x (modeling_rope_utils.py convert_rope_params_to_dict, standardize_rope_params):
-        # a legacy rope_scaling replaces rope_parameters; rope_theta and partial_rotary_factor inside it win
-        # over top-level ones; without either, rope_theta is 10000 and partial_rotary_factor 0.25
-        # (Qwen3_5TextConfig)
+        # transformers 5.x (modeling_rope_utils.py convert_rope_params_to_dict,
+        # standardize_rope_params): a legacy rope_scaling replaces rope_parameters; rope_theta and
+        # partial_rotary_factor inside it win over top-level ones; without either, rope_theta is
+        # 10000 and partial_rotary_factor 0.25 (Qwen3_5TextConfig)
         if text.get("rope_scaling") and text.get("rope_parameters"):
-            fail("rope_scaling", text["rope_scaling"], "rope_parameters is also set, and transformers would "
-                 "ignore it (its rope_theta too): move the scaling keys into rope_parameters")
+            fail("rope_scaling", text["rope_scaling"],
+                 "rope_parameters is also set, and transformers would ignore it (its rope_theta "
+                 "too): move the scaling keys into rope_parameters")
         where = "rope_scaling" if text.get("rope_scaling") else "rope_parameters"
         rope = dict(text.get(where) or {})
         theta = rope.pop("rope_theta", text.get("rope_theta", 10000.0))
         rotary = rope.pop("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
-        # M-RoPE: text positions are the same in all three (t, h, w) rows, so any section layout, interleaved
-        # or not, is plain 1-D RoPE (modeling_qwen3_5.py Qwen3_5TextRotaryEmbedding.recomposition_frequencies)
+        # M-RoPE: text positions are the same in all three (t, h, w) rows, so any section layout,
+        # interleaved or not, is plain 1-D RoPE (modeling_qwen3_5.py
+        # Qwen3_5TextRotaryEmbedding.recomposition_frequencies)
         rope.pop("mrope_section", None)
         rope.pop("mrope_interleaved", None)
         kind, factor = rope_type(rope), rope.get("factor")
         if kind == "dynamic":
-            fail(f"{where}.rope_type", kind, "transformers recomputes dynamic NTK per batch length while vLLM "
-                 "fixes it at max_position_embeddings * factor, so served features are ambiguous; use yarn")
+            fail(f"{where}.rope_type", kind,
+                 "transformers recomputes dynamic NTK per batch length while vLLM fixes it at "
+                 "max_position_embeddings * factor, so served features are ambiguous; use yarn")
         if kind not in ROPE_TYPES:
             fail(f"{where}.rope_type", kind, f"RoPE types computed here: {', '.join(ROPE_TYPES)}")
         if kind != "default" and not (isinstance(factor, (int, float)) and factor > 0):
@@ -311,21 +339,22 @@ class TargetConfig:
 
     @staticmethod
     def _fp8_from_hf(q, fail):
-        # the one quantized form read: block FP8 as Qwen's official -FP8 checkpoints ship it (transformers
-        # utils/quantization_config.py FineGrainedFP8Config): e4m3 weights, float weight_scale_inv per block.
-        # Which weights are FP8 is read from the tensors (a weight_scale_inv beside them), so
-        # modules_to_not_convert needs no interpreting
+        # the one quantized form read: block FP8 as Qwen's official -FP8 checkpoints ship it
+        # (transformers utils/quantization_config.py FineGrainedFP8Config): e4m3 weights, float
+        # weight_scale_inv per block. Which weights are FP8 is read from the tensors (a
+        # weight_scale_inv beside them), so modules_to_not_convert needs no interpreting
         if not q:
             return None
         block = q.get("weight_block_size")
         for field, ok, why in [
-                ("quant_method", q.get("quant_method") == "fp8", "only block-FP8 (quant_method fp8) checkpoints "
-                 "are read; use the bf16 checkpoint"),
+                ("quant_method", q.get("quant_method") == "fp8",
+                 "only block-FP8 (quant_method fp8) checkpoints are read; use the bf16 checkpoint"),
                 ("weight_block_size", isinstance(block, list) and len(block) == 2
-                 and all(type(b) is int and b > 0 for b in block), "need [rows, cols] of a scale block "
-                 "(per-tensor FP8 is not read)"),
+                 and all(type(b) is int and b > 0 for b in block),
+                 "need [rows, cols] of a scale block (per-tensor FP8 is not read)"),
                 ("fmt", q.get("fmt", "e4m3") == "e4m3", "FP8 weights must be float8_e4m3fn"),
-                ("activation_scheme", q.get("activation_scheme", "dynamic") == "dynamic", "only dynamic"),
+                ("activation_scheme", q.get("activation_scheme", "dynamic") == "dynamic",
+                 "only dynamic"),
                 ("scale_fmt", q.get("scale_fmt", "float") == "float", "scales must be floats")]:
             if not ok:
                 fail(f"quantization_config.{field}", q.get(field), why)
@@ -335,16 +364,18 @@ class TargetConfig:
     def preset(cls, name):
         presets = {
             "qwen3.6-27b": dict(),   # the defaults above are the exact 27B geometry
-            # Qwen3.5-35B-A3B and Qwen3.6-35B-A3B (one geometry): 40 layers, 256 experts, top-8 + shared expert
+            # Qwen3.5-35B-A3B and Qwen3.6-35B-A3B (one geometry): 40 layers, 256 experts,
+            # top-8 + shared expert
             **dict.fromkeys(["qwen3.5-35b-a3b", "qwen3.6-35b-a3b"], dict(
-                hidden_size=2048, intermediate_size=0, num_hidden_layers=40, num_attention_heads=16,
-                num_key_value_heads=2, linear_num_value_heads=32, num_experts=256, num_experts_per_tok=8,
-                moe_intermediate_size=512, shared_expert_intermediate_size=512)),
+                hidden_size=2048, intermediate_size=0, num_hidden_layers=40,
+                num_attention_heads=16, num_key_value_heads=2, linear_num_value_heads=32,
+                num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+                shared_expert_intermediate_size=512)),
             # a few-layer toy with the same structure, for CPU tests and the demo
             "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
-                         linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-                         max_position_embeddings=4096, init_std=0.1),
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                         linear_value_head_dim=16, max_position_embeddings=4096, init_std=0.1),
         }
         if name not in presets:
             raise ValueError(f"unknown target preset {name!r}; "
@@ -352,10 +383,13 @@ class TargetConfig:
         return cls(**presets[name])
 
 class GatedAttention(nn.Module):
-    """Qwen3.5 full-attention layer: causal GQA with q/k norm, partial RoPE and a sigmoid output gate."""
+    """Qwen3.5 full-attention layer: causal GQA with q/k norm, partial RoPE and a sigmoid output
+    gate."""
     def __init__(self, c):
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.n_heads = c.num_attention_heads
+        self.n_kv_heads = c.num_key_value_heads
+        self.head_dim = c.head_dim
         q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         self.q_proj = nn.Linear(c.hidden_size, 2 * q_dim, bias=False)   # per head: [query | gate]
         self.k_proj = nn.Linear(c.hidden_size, kv_dim, bias=False)
@@ -366,20 +400,22 @@ class GatedAttention(nn.Module):
 
     def forward(self, x, rope, cu, cu_list):
         T, hd = x.shape[0], self.head_dim
-        q, gate = self.q_proj(x).view(T, self.n_heads, 2 * hd).chunk(2, dim=-1)   # [T, heads, hd] each
+        # [T, heads, hd] each
+        q, gate = self.q_proj(x).view(T, self.n_heads, 2 * hd).chunk(2, dim=-1)
         q = apply_rope(self.q_norm(q), *rope)
         k = apply_rope(self.k_norm(self.k_proj(x).view(T, self.n_kv_heads, hd)), *rope)
         v = self.v_proj(x).view(T, self.n_kv_heads, hd)
         if x.is_cuda:
-            # document-causal attention over all documents in one varlen (flash) call, K/V repeated to the
-            # query heads (the fastest of the kernels bench.py target compares)
+            # document-causal attention over all documents in one varlen (flash) call, K/V repeated
+            # to the query heads (the fastest of the kernels bench.py target compares)
             from torch.nn.attention.varlen import varlen_attn
             rep, cu32 = self.n_heads // self.n_kv_heads, cu.to(torch.int32)
             longest = max(b - a for a, b in zip(cu_list[:-1], cu_list[1:]))
             k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
             o = varlen_attn(q, k, v, cu32, cu32, longest, longest, window_size=(-1, 0))
         else:
-            # documents padded into one batch [n_docs, heads, longest, hd]; causal, so no query sees the padding
+            # documents padded into one batch [n_docs, heads, longest, hd]; causal, so no query
+            # sees the padding
             q, k, v = (pad_docs(t, cu_list).transpose(1, 2) for t in (q, k, v))
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
             o = unpad_docs(o.transpose(1, 2), cu_list)                       # [T, heads, hd]
@@ -393,12 +429,14 @@ class GatedDeltaNet(nn.Module):
         self.n_qk, self.n_v = c.linear_num_key_heads, c.linear_num_value_heads
         self.dk, self.dv, self.eps = c.linear_key_head_dim, c.linear_value_head_dim, c.rms_norm_eps
         key_dim, value_dim = self.n_qk * self.dk, self.n_v * self.dv
-        self.in_proj_qkv = nn.Linear(c.hidden_size, 2 * key_dim + value_dim, bias=False)   # flat [q | k | v]
+        # flat [q | k | v]
+        self.in_proj_qkv = nn.Linear(c.hidden_size, 2 * key_dim + value_dim, bias=False)
         self.in_proj_z = nn.Linear(c.hidden_size, value_dim, bias=False)
         self.in_proj_b = nn.Linear(c.hidden_size, self.n_v, bias=False)
         self.in_proj_a = nn.Linear(c.hidden_size, self.n_v, bias=False)
         self.conv1d = nn.Module()
-        self.conv1d.weight = nn.Parameter(torch.zeros(2 * key_dim + value_dim, 1, c.linear_conv_kernel_dim))
+        self.conv1d.weight = nn.Parameter(torch.zeros(2 * key_dim + value_dim, 1,
+                                                      c.linear_conv_kernel_dim))
         self.dt_bias = nn.Parameter(torch.ones(self.n_v))
         self.A_log = nn.Parameter(torch.zeros(self.n_v))
         self.norm = RMSNorm(self.dv, self.eps)              # plain weight, then * silu(z)
@@ -414,75 +452,91 @@ class GatedDeltaNet(nn.Module):
         split = [key_dim, key_dim, self.n_v * self.dv]
         if x.is_cuda:
             chunk_gated_delta_rule, causal_conv1d, rms_norm_gated = _fla()
-            y, _ = causal_conv1d(qkv[None], weight=self.conv1d.weight[:, 0], activation="silu", cu_seqlens=cu)
+            y, _ = causal_conv1d(qkv[None], weight=self.conv1d.weight[:, 0], activation="silu",
+                                 cu_seqlens=cu)
             q, k, v = y[0].split(split, dim=-1)
             q, k = q.view(1, T, self.n_qk, self.dk), k.view(1, T, self.n_qk, self.dk)
-            o, _ = chunk_gated_delta_rule(q, k, v.view(1, T, self.n_v, self.dv), g=g[None], beta=beta[None],
-                                          use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+            o, _ = chunk_gated_delta_rule(q, k, v.view(1, T, self.n_v, self.dv), g=g[None],
+                                          beta=beta[None], use_qk_l2norm_in_kernel=True,
+                                          cu_seqlens=cu)
             o = rms_norm_gated(o[0], z, self.norm.weight, None, activation="swish", eps=self.eps)
         else:
-            # causal depthwise conv that restarts at every document start: zero the taps from other documents
+            # causal depthwise conv that restarts at every document start: zero the taps from
+            # other documents
             width = self.conv1d.weight.shape[-1]
-            doc = torch.repeat_interleave(torch.arange(len(cu_list) - 1), torch.tensor(cu_list).diff())
-            windows = F.pad(qkv, (0, 0, width - 1, 0)).unfold(0, width, 1)         # [T, channels, width]
+            doc = torch.repeat_interleave(torch.arange(len(cu_list) - 1),
+                                          torch.tensor(cu_list).diff())
+            windows = F.pad(qkv, (0, 0, width - 1, 0)).unfold(0, width, 1)  # [T, channels, width]
             window_doc = F.pad(doc, (width - 1, 0), value=-1).unfold(0, width, 1)  # [T, width]
             windows = windows * (window_doc == doc[:, None])[:, None, :].to(windows.dtype)
             y = F.silu((windows * self.conv1d.weight[:, 0]).sum(-1))
             q, k, v = y.split(split, dim=-1)
-            # l2norm as HF/FLA do it: x / sqrt(|x|^2 + 1e-6) (F.normalize's x / max(|x|, eps) differs)
+            # l2norm as HF/FLA do it: x / sqrt(|x|^2 + 1e-6) (F.normalize's x / max(|x|, eps)
+            # differs)
             q, k = (t.view(T, self.n_qk, self.dk).float() for t in (q, k))
             q = q * torch.rsqrt(q.pow(2).sum(-1, keepdim=True) + 1e-6) * self.dk ** -0.5
             k = k * torch.rsqrt(k.pow(2).sum(-1, keepdim=True) + 1e-6)
             rep = self.n_v // self.n_qk
-            q, k = (t.repeat_interleave(rep, dim=1) for t in (q, k))   # v-head j reads q/k head j // rep
+            # v-head j reads q/k head j // rep
+            q, k = (t.repeat_interleave(rep, dim=1) for t in (q, k))
             v = v.view(T, self.n_v, self.dv)
-            # every document restarts the state: pad them into one batch and fold the batch into the heads
-            n_docs, longest = len(cu_list) - 1, max(b - a for a, b in zip(cu_list[:-1], cu_list[1:]))
+            # every document restarts the state: pad them into one batch and fold the batch into
+            # the heads
+            n_docs = len(cu_list) - 1
+            longest = max(b - a for a, b in zip(cu_list[:-1], cu_list[1:]))
             def fold(t):   # [T, heads, ...] -> [longest, n_docs * heads, ...]
-                return pad_docs(t, cu_list).transpose(0, 1).reshape(longest, n_docs * self.n_v, *t.shape[2:])
+                return pad_docs(t, cu_list).transpose(0, 1).reshape(longest, n_docs * self.n_v,
+                                                                     *t.shape[2:])
             o = torch_chunk_gated_delta_rule(*(fold(t) for t in (q, k, v, g, beta)))
-            o = o.view(longest, n_docs, self.n_v, self.dv).transpose(0, 1)      # [n_docs, longest, heads, dv]
+            # [n_docs, longest, heads, dv]
+            o = o.view(longest, n_docs, self.n_v, self.dv).transpose(0, 1)
             o = unpad_docs(o, cu_list).to(x.dtype)
             o = (self.norm(o).float() * F.silu(z.float())).to(x.dtype)
         return self.out_proj(o.reshape(T, -1))
 
 def expert_linear(x, w, ends):
-    """x [P, in]: rows grouped by expert, in expert order (expert e's end at row ends[e]); w [E, out, in]
-    -> [P, out]"""
+    """x [P, in]: rows grouped by expert, in expert order (expert e's end at row ends[e]);
+    w [E, out, in] -> [P, out]"""
     if x.dtype == torch.bfloat16 and w.shape[1] % 8 == 0 and w.shape[2] % 8 == 0:
-        # one grouped GEMM over all experts (CUTLASS on sm90+); the offsets stay on the device: no host sync
+        # one grouped GEMM over all experts (CUTLASS on sm90+); the offsets stay on the device: no
+        # host sync
         return torch._grouped_mm(x, w.transpose(1, 2), offs=ends.to(torch.int32))
     # rows not 16-byte aligned (toy sizes) or fp32: one matmul per expert on its contiguous slice
     sizes = ends.diff(prepend=ends.new_zeros(1)).tolist()
     return torch.cat([F.linear(xe, we) for xe, we in zip(x.split(sizes), w)])
 
 class MoE(nn.Module):
-    """Qwen3.5/3.6 sparse MoE MLP (transformers' Qwen3_5MoeSparseMoeBlock): softmax router over all experts in
-    fp32, top-k renormalised to sum to 1; SwiGLU experts stored fused as 3-D tensors (as the official
-    checkpoints store them); plus a shared SwiGLU expert scaled by sigmoid(shared_expert_gate(x))."""
+    """Qwen3.5/3.6 sparse MoE MLP (transformers' Qwen3_5MoeSparseMoeBlock): softmax router over all
+    experts in fp32, top-k renormalised to sum to 1; SwiGLU experts stored fused as 3-D tensors (as
+    the official checkpoints store them); plus a shared SwiGLU expert scaled by
+    sigmoid(shared_expert_gate(x))."""
     def __init__(self, c):
         super().__init__()
         E, H, I = c.num_experts, c.hidden_size, c.moe_intermediate_size
         self.top_k = c.num_experts_per_tok
         self.gate = nn.Linear(H, E, bias=False)                              # the router
         self.experts = nn.Module()
-        self.experts.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))  # per expert: [gate rows | up rows]
+        # per expert: [gate rows | up rows]
+        self.experts.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))
         self.experts.down_proj = nn.Parameter(torch.empty(E, H, I))
         self.shared_expert = MLP(H, c.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(H, 1, bias=False)
 
     def forward(self, x):
         T, k, E = x.shape[0], self.top_k, self.gate.out_features
-        probs = self.gate(x).float().softmax(-1)                 # logits in the model dtype, softmax in fp32
-        w, idx = probs.topk(k, dim=-1)                           # [T, k]
+        probs = self.gate(x).float().softmax(-1)   # logits in the model dtype, softmax in fp32
+        w, idx = probs.topk(k, dim=-1)             # [T, k]
         w = (w / w.sum(-1, keepdim=True)).to(x.dtype)
         # the T*k (token, slot) pairs sorted by expert: every expert's rows are one contiguous slice
         expert, order = idx.flatten().sort(stable=True)          # [T*k]
-        ends = torch.searchsorted(expert, torch.arange(1, E + 1, device=x.device))   # [E] (bincount would sync)
+        # [E] (bincount would sync)
+        ends = torch.searchsorted(expert, torch.arange(1, E + 1, device=x.device))
         gate, up = expert_linear(x[order // k], self.experts.gate_up_proj, ends).chunk(2, dim=-1)
-        out = expert_linear(F.silu(gate) * up, self.experts.down_proj, ends)     # [T*k, H], sorted
-        out = torch.empty_like(out).index_copy_(0, order, out).view(T, k, -1)     # back to (token, slot)
-        routed = torch.bmm(w[:, None, :], out)[:, 0]             # weighted sum over the k slots, fp32 accumulate
+        out = expert_linear(F.silu(gate) * up, self.experts.down_proj, ends)  # [T*k, H], sorted
+        # back to (token, slot) order
+        out = torch.empty_like(out).index_copy_(0, order, out).view(T, k, -1)
+        # weighted sum over the k slots, fp32 accumulate
+        routed = torch.bmm(w[:, None, :], out)[:, 0]
         return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
 class TargetLayer(nn.Module):
@@ -503,45 +557,51 @@ class TargetLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 # -----------------------------------------------------------------------------
-# the target model: random presets or an HF checkpoint; features for the drafter, logits for generation
+# the target model: random presets or an HF checkpoint; features for the drafter, logits for
+# generation
 
 def seeded_init_(name, t, std):
-    # every tensor gets its own generator seeded by its name, so a rank that builds only some tensors
-    # (a drafter rank builds just embed_tokens + lm_head) gets exactly the weights the target rank has.
-    # Small tensors are drawn on the CPU (a toy target is then the same on every device: the demo data was
-    # made on the CPU); big ones on their own device (27B of CPU normals would take minutes).
+    # every tensor gets its own generator seeded by its name, so a rank that builds only some
+    # tensors (a drafter rank builds just embed_tokens + lm_head) gets exactly the weights the
+    # target rank has. Small tensors are drawn on the CPU (a toy target is then the same on every
+    # device: the demo data was made on the CPU); big ones on their own device (27B of CPU normals
+    # would take minutes).
     dev = t.device if t.numel() >= 1 << 24 else torch.device("cpu")
     gen = torch.Generator(dev).manual_seed(zlib.crc32(name.encode()))
-    t.copy_(torch.empty(t.shape, device=dev).normal_(0.0, std, generator=gen))   # fp32 draws: any dtype alike
+    # fp32 draws: any dtype alike
+    t.copy_(torch.empty(t.shape, device=dev).normal_(0.0, std, generator=gen))
 
 def dequantize_fp8(w, scale_inv, block, dtype, what="weight_scale_inv"):
     """A block-FP8 weight w [rows, cols] (float8_e4m3fn) times its scales scale_inv
     [ceil(rows/b0), ceil(cols/b1)]:
-    W[i, j] = w[i, j] * scale_inv[i // b0, j // b1], the last block of a row or column partial (transformers
-    integrations/finegrained_fp8.py FP8Linear allocates the scales so). Multiplied in fp32 and rounded once to
-    dtype; the scales are broadcast over column blocks, never expanded to the weight's size."""
+    W[i, j] = w[i, j] * scale_inv[i // b0, j // b1], the last block of a row or column partial
+    (transformers integrations/finegrained_fp8.py FP8Linear allocates the scales so). Multiplied in
+    fp32 and rounded once to dtype; the scales are broadcast over column blocks, never expanded to
+    the weight's size."""
     (rows, cols), (b0, b1) = w.shape, block
     grid = (-(-rows // b0), -(-cols // b1))
     if tuple(scale_inv.shape) != grid:
         raise ValueError(f"{what} has shape {tuple(scale_inv.shape)}, expected {grid} for a weight "
-                         f"[{rows}, {cols}] in blocks of {list(block)} (quantization_config.weight_block_size)")
-    s = scale_inv.float().repeat_interleave(b0, dim=0)[:rows]              # [rows, cols in blocks]
+                         f"[{rows}, {cols}] in blocks of {list(block)} "
+                         "(quantization_config.weight_block_size)")
+    s = scale_inv.float().repeat_interleave(b0, dim=0)[:rows]      # [rows, cols in blocks]
     W = w.float()
     full = cols // b1
-    W[:, :full * b1].view(rows, full, b1).mul_(s[:, :full, None])          # whole column blocks
-    W[:, full * b1:].mul_(s[:, full:])                                     # the partial one (if any)
+    W[:, :full * b1].view(rows, full, b1).mul_(s[:, :full, None])  # whole column blocks
+    W[:, full * b1:].mul_(s[:, full:])                             # the partial one (if any)
     return W.to(dtype)
 
 class Target(nn.Module):
-    """Frozen hybrid target. Builds only what the caller needs: layers [0, n_layers) (up to the last tapped
-    one on a target rank; 0 on a drafter rank, which only borrows embed_tokens and lm_head) and lm_head
-    when head=True (target ranks never need it)."""
+    """Frozen hybrid target. Builds only what the caller needs: layers [0, n_layers) (up to the last
+    tapped one on a target rank; 0 on a drafter rank, which only borrows embed_tokens and lm_head)
+    and lm_head when head=True (target ranks never need it)."""
     def __init__(self, config, n_layers=None, head=True):
         super().__init__()
         c = self.config = config
         self.n_layers = n_layers if n_layers is not None else c.num_hidden_layers
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList([TargetLayer(c, c.layer_types[i]) for i in range(self.n_layers)])
+        self.layers = nn.ModuleList([TargetLayer(c, c.layer_types[i])
+                                     for i in range(self.n_layers)])
         complete = self.n_layers == c.num_hidden_layers
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, plus_one=True) if complete else None
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False) if head else None
@@ -557,16 +617,19 @@ class Target(nn.Module):
             fp32 = name.endswith(("A_log", "dt_bias"))
             t = torch.empty(p.shape, dtype=torch.float32 if fp32 else dtype, device=device)
             if name.endswith("A_log"):
-                t.copy_(torch.linspace(0.0, 2.7, p.numel()))            # decay rates exp(A) in [1, 15]
+                t.copy_(torch.linspace(0.0, 2.7, p.numel()))  # decay rates exp(A) in [1, 15]
             elif name.endswith("dt_bias"):
                 t.fill_(-2.0)
             elif name.endswith("linear_attn.norm.weight"):
-                t.fill_(1.0)                                            # GDN gated norm: plain weight
+                t.fill_(1.0)                                  # GDN gated norm: plain weight
             elif p.dim() == 1:
-                t.zero_()                                               # zero-centred norms: scale 1 + 0
-            else:   # embeddings N(0, 1) as nn.Embedding's default, so a random target's text is mostly a
-                # function of the last tokens (learnable: the demo's teacher); GPT-2's residual scaling on outputs
-                out = name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight", "down_proj"))
+                t.zero_()                                     # zero-centred norms: scale 1 + 0
+            else:
+                # embeddings N(0, 1) as nn.Embedding's default, so a random target's text is mostly
+                # a function of the last tokens (learnable: the demo's teacher); GPT-2's residual
+                # scaling on outputs
+                out = name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight",
+                                     "down_proj"))
                 std = 1.0 if name == "embed_tokens.weight" else config.init_std
                 seeded_init_(name, t, std / (2 * config.num_hidden_layers) ** 0.5 if out else std)
             state[name] = t
@@ -577,9 +640,10 @@ class Target(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path, device="cpu", dtype=torch.bfloat16, n_layers=None, head=True):
-        """Load an HF Qwen3.5/3.6 checkpoint dir (one model.safetensors, or shards with an index), reading
-        only the tensors this rank needs, straight to `device` (the model is built on the meta device).
-        Block-FP8 checkpoints (Qwen's -FP8 releases) are dequantized to `dtype` tensor by tensor on `device`."""
+        """Load an HF Qwen3.5/3.6 checkpoint dir (one model.safetensors, or shards with an index),
+        reading only the tensors this rank needs, straight to `device` (the model is built on the
+        meta device). Block-FP8 checkpoints (Qwen's -FP8 releases) are dequantized to `dtype` tensor
+        by tensor on `device`."""
         from safetensors import safe_open
         config = TargetConfig.from_hf(path)
         index = os.path.join(path, "model.safetensors.index.json")
@@ -591,39 +655,45 @@ class Target(nn.Module):
                 where = {k: "model.safetensors" for k in f.keys()}
         else:
             raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
-        # official multimodal layout: model.language_model.* + lm_head.weight; text-only layout: model.*
+        # official multimodal layout: model.language_model.* + lm_head.weight; text-only layout:
+        # model.*
         multimodal = any(k.startswith("model.language_model.") for k in where)
         prefix = "model.language_model." if multimodal else "model."
         with torch.device("meta"):
             model = cls(config, n_layers, head)
         wanted = {}   # shard file -> [(our name, checkpoint key, expected shape)]
-        keys_of = {}  # our name -> its checkpoint keys (several: experts stored one tensor per expert)
+        keys_of = {}  # our name -> its checkpoint keys (several: experts stored one per expert)
         for name, p in model.named_parameters():
             key = "lm_head.weight" if name == "lm_head.weight" else prefix + name
             if key == "lm_head.weight" and config.tie_word_embeddings:
                 key = prefix + "embed_tokens.weight"
             keys, shape = [key], tuple(p.shape)
             if key not in where and name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-                # the official checkpoints store each layer's experts fused, [E, 2I, H] and [E, H, I], like our
-                # parameters; transformers' save_pretrained writes experts.{e}.{gate,up,down}_proj.weight: stacked
-                projs = ("gate_proj", "up_proj") if name.endswith("gate_up_proj") else ("down_proj",)
-                keys = [f"{key.rsplit('.', 1)[0]}.{e}.{proj}.weight" for e in range(p.shape[0]) for proj in projs]
+                # the official checkpoints store each layer's experts fused, [E, 2I, H] and
+                # [E, H, I], like our parameters; transformers' save_pretrained writes
+                # experts.{e}.{gate,up,down}_proj.weight: stacked
+                projs = (("gate_proj", "up_proj") if name.endswith("gate_up_proj")
+                         else ("down_proj",))
+                keys = [f"{key.rsplit('.', 1)[0]}.{e}.{proj}.weight"
+                        for e in range(p.shape[0]) for proj in projs]
                 shape = (p.shape[1] // len(projs), p.shape[2])
             for k in keys:
                 if k not in where:
                     also = f" (nor {key})" if k != key else ""
-                    raise KeyError(f"{path}: tensor {k}{also} (for {name}) is missing from the checkpoint "
-                                   "index/file")
+                    raise KeyError(f"{path}: tensor {k}{also} (for {name}) is missing from the "
+                                   "checkpoint index/file")
                 wanted.setdefault(where[k], []).append((name, k, shape))
             keys_of[name] = keys
         tensors = {}
-        for file, items in wanted.items():   # one shard open at a time: host memory stays near one shard
+        # one shard open at a time: host memory stays near one shard
+        for file, items in wanted.items():
             file = os.path.join(path, file)
             with safe_open(file, "pt", device=str(device)) as f:
                 present = set(f.keys())
                 for name, key, shape in items:
                     if key not in present:
-                        raise KeyError(f"{file}: tensor {key} listed in the index is not in this file")
+                        raise KeyError(f"{file}: tensor {key} listed in the index is not in this "
+                                       "file")
                     t = f.get_tensor(key)
                     if tuple(t.shape) != shape:
                         raise ValueError(f"{file}: tensor {key} has shape {tuple(t.shape)}, "
@@ -632,37 +702,44 @@ class Target(nn.Module):
                     scale_key = key + "_scale_inv"   # FP8 tensors come with their block scales
                     if scale_key in where or (t.is_floating_point() and t.element_size() == 1):
                         if scale_key not in where or t.dtype != torch.float8_e4m3fn or t.dim() != 2:
-                            raise ValueError(f"{file}: tensor {key} ({t.dtype}, {t.dim()}-D) with "
-                                             f"{scale_key} {'present' if scale_key in where else 'absent'}: "
-                                             "block-FP8 weights are 2-D float8_e4m3fn with their scales")
+                            raise ValueError(
+                                f"{file}: tensor {key} ({t.dtype}, {t.dim()}-D) with {scale_key} "
+                                f"{'present' if scale_key in where else 'absent'}: block-FP8 "
+                                "weights are 2-D float8_e4m3fn with their scales")
                         if config.fp8_block is None:
-                            raise ValueError(f"{file}: tensor {key} is block-FP8, but config.json has no "
-                                             "quantization_config (quant_method fp8, weight_block_size)")
+                            raise ValueError(f"{file}: tensor {key} is block-FP8, but config.json "
+                                             "has no quantization_config (quant_method fp8, "
+                                             "weight_block_size)")
                         scale_file = os.path.join(path, where[scale_key])
                         if scale_file == file:
                             scale = f.get_tensor(scale_key)
                         else:   # the index may put a weight and its scales in different shards
                             with safe_open(scale_file, "pt", device=str(device)) as g:
                                 scale = g.get_tensor(scale_key)
-                        t = dequantize_fp8(t, scale, config.fp8_block, out, f"{scale_file}: {scale_key}")
+                        t = dequantize_fp8(t, scale, config.fp8_block, out,
+                                           f"{scale_file}: {scale_key}")
                     tensors[key] = t.to(out)
         state = {}
         for name, p in model.named_parameters():
             keys = keys_of[name]
             if len(keys) == 1:
-                state[name] = tensors[keys[0]]      # (a tied lm_head reads the same key as embed_tokens)
-            else:   # per-expert tensors, freed as they are stacked: [E (x2 gate, up), rows, cols] -> p's shape
+                # (a tied lm_head reads the same key as embed_tokens)
+                state[name] = tensors[keys[0]]
+            else:
+                # per-expert tensors, freed as they are stacked: [E (x2 gate, up), rows, cols] ->
+                # p's shape
                 state[name] = torch.stack([tensors.pop(k) for k in keys]).view(p.shape)
         model.load_state_dict(state, assign=True)
         return model
 
     def _run(self, ids, cu_seqlens, stop):
-        # ids [T] long (device), cu_seqlens [n+1] long on the CPU: boundaries of the packed documents
+        # ids [T] long (device), cu_seqlens [n+1] long on the CPU: boundaries of the packed
+        # documents
         c = self.config
         cu_list = cu_seqlens.tolist()
         pos = positions_from_cu(cu_seqlens).to(ids.device)
-        rope = rope_cos_sin(pos, int(c.head_dim * c.partial_rotary_factor), c.rope_theta, c.rope_scaling,
-                            c.max_position_embeddings)
+        rope = rope_cos_sin(pos, int(c.head_dim * c.partial_rotary_factor), c.rope_theta,
+                            c.rope_scaling, c.max_position_embeddings)
         cu = cu_seqlens.to(ids.device)
         h = self.embed_tokens(ids)
         for i in range(stop):
@@ -671,8 +748,8 @@ class Target(nn.Module):
 
     @torch.inference_mode()
     def features(self, ids, cu_seqlens, layer_ids):
-        """Concatenated outputs of decoder layers `layer_ids` (HF hidden_states[i+1]) -> [T, len * hidden].
-        Stops computing after the last requested layer."""
+        """Concatenated outputs of decoder layers `layer_ids` (HF hidden_states[i+1]) ->
+        [T, len * hidden]. Stops computing after the last requested layer."""
         last = max(layer_ids)
         assert last < self.n_layers, f"tapped layer {last} was not built (n_layers={self.n_layers})"
         taps = {i: h for i, h in self._run(ids, cu_seqlens, last + 1) if i in layer_ids}
@@ -680,7 +757,8 @@ class Target(nn.Module):
 
     @torch.inference_mode()
     def logits(self, ids, cu_seqlens, at=None):
-        """Next-token logits [T, vocab], or only at the positions `at` (generation needs each document's last)."""
+        """Next-token logits [T, vocab], or only at the positions `at` (generation needs each
+        document's last)."""
         assert self.norm is not None, "logits need every layer: build the target without n_layers"
         for _, h in self._run(ids, cu_seqlens, self.n_layers):
             pass
@@ -688,8 +766,8 @@ class Target(nn.Module):
 
     @torch.inference_mode()
     def features_and_logits(self, ids, cu_seqlens, layer_ids, at=None):
-        """One forward through every layer giving both `features` and `logits` (speculative decoding:
-        the verification forward also yields the next drafts' context)."""
+        """One forward through every layer giving both `features` and `logits` (speculative
+        decoding: the verification forward also yields the next drafts' context)."""
         assert self.norm is not None, "logits need every layer: build the target without n_layers"
         taps = {}
         for i, h in self._run(ids, cu_seqlens, self.n_layers):
@@ -703,7 +781,8 @@ class Target(nn.Module):
         c, T = self.config, int(cu_seqlens[-1])
         params = list(self.layers[:n_layers].named_parameters())
         linear = sum(p.numel() for n, p in params if p.dim() == 2)
-        # routed experts: each token runs top_k of them (active parameters); router and shared expert are in linear
+        # routed experts: each token runs top_k of them (active parameters); router and shared
+        # expert are in linear
         experts = sum(p.numel() for n, p in params if ".experts." in n)
         linear += experts * c.num_experts_per_tok // max(c.num_experts, 1)
         lens = (cu_seqlens[1:] - cu_seqlens[:-1]).double()
