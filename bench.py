@@ -135,12 +135,14 @@ if args.what == "check":
     gpu = Target.build(cfg, device=dev, dtype=torch.bfloat16)
     cu = torch.tensor([0, 300, 1100, 1400, 2048])
     ids = torch.randint(0, 1024, (2048,))
-    ref = cpu.features(ids, cu, [0, 1, 2, 3]).view(2048, 4, -1)
-    out = gpu.features(ids.to(dev), cu, [0, 1, 2, 3]).view(2048, 4, -1).cpu()
-    errs = [rel(out[:, i], ref[:, i]) for i in range(4)]
-    print(f"fla (bf16) vs torch (fp32) target features, 3 packed docs, per layer rel err: "
-          f"{['%.2e' % e for e in errs]}")
-    assert max(errs) < 3e-2, "fla path disagrees with the torch path"
+    def gpu_vs_cpu(name, cpu, gpu):
+        ref = cpu.features(ids, cu, [0, 1, 2, 3]).view(2048, 4, -1)
+        out = gpu.features(ids.to(dev), cu, [0, 1, 2, 3]).view(2048, 4, -1).cpu()
+        errs = [rel(out[:, i], ref[:, i]) for i in range(4)]
+        print(f"{name} vs torch (fp32) target features, 3 packed docs, per layer rel err: "
+              f"{['%.2e' % e for e in errs]}")
+        assert max(errs) < 3e-2, f"{name}: the GPU path disagrees with the torch path"
+    gpu_vs_cpu("fla (bf16)", cpu, gpu)
     # the MoE target the same way (grouped GEMM in bf16 on the GPU, one matmul per expert in fp32
     # on the CPU), with top-k = all experts: bf16 router logits pick other experts than fp32 ones
     # for a few % of tokens (near ties)
@@ -150,12 +152,7 @@ if args.what == "check":
     gpu = Target.build(moe_cfg, device=dev, dtype=torch.bfloat16)
     cpu = Target.build(moe_cfg)
     cpu.load_state_dict({k: v.float().cpu() for k, v in gpu.state_dict().items()})
-    ref = cpu.features(ids, cu, [0, 1, 2, 3]).view(2048, 4, -1)
-    out = gpu.features(ids.to(dev), cu, [0, 1, 2, 3]).view(2048, 4, -1).cpu()
-    errs = [rel(out[:, i], ref[:, i]) for i in range(4)]
-    print(f"MoE target, fla + grouped GEMM (bf16) vs torch (fp32), per layer rel err: "
-          f"{['%.2e' % e for e in errs]}")
-    assert max(errs) < 3e-2, "MoE target: GPU path disagrees with the torch path"
+    gpu_vs_cpu("MoE target, fla + grouped GEMM (bf16)", cpu, gpu)
     # the MoE block at the 35B-A3B shapes (uneven expert groups, some maybe empty): grouped GEMM
     # against one matmul per expert, both bf16 from the same routing
     a3b = TargetConfig.preset("qwen3.5-35b-a3b")

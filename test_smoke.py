@@ -277,10 +277,10 @@ def test_matches_hf_single_document(hf_pair):
     assert rel_err(ours.logits(ids, cu), logits) < 1e-4, "logits"
 
 
-def test_matches_hf_packed_documents(hf_pair):
-    m, ours = hf_pair
-    gen = torch.Generator().manual_seed(7)
-    lens = [45, 100, 30]
+def check_packed_against_hf(m, ours, lens, seed):
+    # documents packed into one row == each run alone by transformers: no state, conv tap or attention
+    # crosses a document boundary
+    gen = torch.Generator().manual_seed(seed)
     docs = [torch.randint(0, 300, (n,), generator=gen) for n in lens]
     ids, cu = torch.cat(docs), cu_of(lens)
     feats, logits = ours.features(ids, cu, [0, 1, 2, 3]), ours.logits(ids, cu)
@@ -288,6 +288,11 @@ def test_matches_hf_packed_documents(hf_pair):
         hs, ref_logits = hf_run(m, docs[d])
         assert rel_err(feats[s:e], torch.cat(hs, -1)) < 1e-4, f"doc {d} hidden states"
         assert rel_err(logits[s:e], ref_logits) < 1e-4, f"doc {d} logits"
+
+
+def test_matches_hf_packed_documents(hf_pair):
+    m, ours = hf_pair
+    check_packed_against_hf(m, ours, [45, 100, 30], seed=7)
 
 
 def test_matches_hf_small_qk_norms(tmp_path):
@@ -2595,15 +2600,7 @@ def test_moe_matches_hf_single_document(moe_pair):
 
 def test_moe_matches_hf_packed_documents(moe_pair):
     m, ours, _ = moe_pair
-    gen = torch.Generator().manual_seed(13)
-    lens = [45, 100, 31]
-    docs = [torch.randint(0, 300, (n,), generator=gen) for n in lens]
-    ids, cu = torch.cat(docs), cu_of(lens)
-    feats, logits = ours.features(ids, cu, [0, 1, 2, 3]), ours.logits(ids, cu)
-    for d, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
-        hs, ref_logits = hf_run(m, docs[d])
-        assert rel_err(feats[s:e], torch.cat(hs, -1)) < 1e-4, f"doc {d} hidden states"
-        assert rel_err(logits[s:e], ref_logits) < 1e-4, f"doc {d} logits"
+    check_packed_against_hf(m, ours, [45, 100, 31], seed=13)
 
 
 def moe_official_config(text):
