@@ -707,26 +707,36 @@ def test_anchor_blocks_match_create_block_mask(S, N, B, docs, p):
 # -----------------------------------------------------------------------------
 # train/serve equivalence: the masked training forward == propose() with only the anchor's own past
 
-def ref_propose_logits(d, ctx_feats, ctx_pos, anchor_token, anchor_pos, embed, head):
+def ref_propose_logits(d, ctx_feats, ctx_pos, anchor_token, anchor_pos, embed, head, hf_rope=False):
     """Independent fp32 reference of one drafting step (z-lab/dflash, dflash/model.py): c =
     hidden_norm(fc(feats)) feeds k/v of every layer unchanged; per layer a pre-norm Qwen3 block, q/k
     RMSNorm per head, NeoX RoPE (keys at [ctx_pos ; block_pos], queries at block_pos), GQA (head i
-    reads kv head i // (nh/nkv)), no mask, SwiGLU; final norm; logits of block slots 1..B-1."""
+    reads kv head i // (nh/nkv)), SwiGLU; final norm; logits of block slots 1..B-1. A full layer sees
+    every key; a sliding layer's query at position q sees key p iff q - (W-1) <= p <= q (loops, the
+    engines' rule). RoPE by hand (plain), or with hf_rope from transformers' Qwen3RotaryEmbedding (the
+    config's rope_scaling)."""
     c = d.config
-    B, nh, nkv, hd = c.block_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    B, nh, nkv, hd, W = c.block_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.sliding_window
     rms = lambda x, w: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps) * w
+    rotary = Qwen3RotaryEmbedding(hf_qwen3_config(c)) if hf_rope else None
 
     def rope(x, p):
+        x1, x2 = x[..., :hd // 2], x[..., hd // 2:]
+        if rotary is not None:
+            cos, sin = rotary(x, p[None])
+            return x * cos[0][:, None] + torch.cat([-x2, x1], -1) * sin[0][:, None]
         inv = 1.0 / c.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
         ang = (p.double()[:, None] * inv[None]).float()[:, None, :]
-        x1, x2 = x[..., :hd // 2], x[..., hd // 2:]
         return torch.cat([x1 * ang.cos() - x2 * ang.sin(), x2 * ang.cos() + x1 * ang.sin()], -1)
 
-    ctx = rms(ctx_feats @ d.fc.weight.T, d.hidden_norm.weight)
-    h = embed[torch.tensor([anchor_token] + [c.mask_token_id] * (B - 1))]
     bpos = anchor_pos + torch.arange(B)
     kpos = torch.cat([ctx_pos, bpos])
-    for L in d.layers:
+    sees = {FULL: torch.ones(B, len(kpos), dtype=torch.bool)}
+    if SLIDING in c.layer_types:
+        sees[SLIDING] = torch.tensor([[q - (W - 1) <= p <= q for p in kpos.tolist()] for q in bpos.tolist()])
+    ctx = rms(ctx_feats @ d.fc.weight.T, d.hidden_norm.weight)
+    h = embed[torch.tensor([anchor_token] + [c.mask_token_id] * (B - 1))]
+    for L, kind in zip(d.layers, c.layer_types):
         a = L.self_attn
         x = rms(h, L.input_layernorm.weight)
         kvin = torch.cat([ctx, x])
@@ -734,7 +744,8 @@ def ref_propose_logits(d, ctx_feats, ctx_pos, anchor_token, anchor_pos, embed, h
         k = rope(rms((kvin @ a.k_proj.weight.T).view(-1, nkv, hd), a.k_norm.weight), kpos)
         v = (kvin @ a.v_proj.weight.T).view(-1, nkv, hd)
         k, v = k.repeat_interleave(nh // nkv, 1), v.repeat_interleave(nh // nkv, 1)
-        p = (torch.einsum("qhd,khd->hqk", q, k) * hd ** -0.5).softmax(-1)
+        s = torch.einsum("qhd,khd->hqk", q, k) * hd ** -0.5
+        p = s.masked_fill(~sees[kind], -float("inf")).softmax(-1)
         h = h + torch.einsum("hqk,khd->qhd", p, v).reshape(B, nh * hd) @ a.o_proj.weight.T
         y = rms(h, L.post_attention_layernorm.weight)
         h = h + (F.silu(y @ L.mlp.gate_proj.weight.T) * (y @ L.mlp.up_proj.weight.T)) @ L.mlp.down_proj.weight.T
@@ -1828,42 +1839,6 @@ def test_mixed_layout_train_serve_equivalence(mixed, monkeypatch):
             assert rel_err((h[a, 1:] @ head.T).float(), logits) < 1e-4, (d.config.sliding_window, a)
 
 
-def ref_propose_layered_logits(d, ctx_feats, ctx_pos, anchor_token, anchor_pos, embed, head):
-    """Independent fp32 reference of one drafting step with per-layer kinds: RoPE tables from transformers'
-    Qwen3RotaryEmbedding (the config's rope_scaling), a sliding layer's query at position q sees key p iff
-    q - (W-1) <= p <= q (loops), a full layer sees every key."""
-    c = d.config
-    B, nh, nkv, hd, W = c.block_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.sliding_window
-    rms = lambda x, w: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps) * w
-    rotary = Qwen3RotaryEmbedding(hf_qwen3_config(c))
-
-    def rope(x, p):
-        cos, sin = rotary(x, p[None])
-        x1, x2 = x[..., :hd // 2], x[..., hd // 2:]
-        return x * cos[0][:, None] + torch.cat([-x2, x1], -1) * sin[0][:, None]
-
-    bpos = anchor_pos + torch.arange(B)
-    kpos = torch.cat([ctx_pos, bpos])
-    sees = {FULL: torch.ones(B, len(kpos), dtype=torch.bool),
-            SLIDING: torch.tensor([[q - (W - 1) <= p <= q for p in kpos.tolist()] for q in bpos.tolist()])}
-    ctx = rms(ctx_feats @ d.fc.weight.T, d.hidden_norm.weight)
-    h = embed[torch.tensor([anchor_token] + [c.mask_token_id] * (B - 1))]
-    for L, kind in zip(d.layers, c.layer_types):
-        a = L.self_attn
-        x = rms(h, L.input_layernorm.weight)
-        kvin = torch.cat([ctx, x])
-        q = rope(rms((x @ a.q_proj.weight.T).view(B, nh, hd), a.q_norm.weight), bpos)
-        k = rope(rms((kvin @ a.k_proj.weight.T).view(-1, nkv, hd), a.k_norm.weight), kpos)
-        v = (kvin @ a.v_proj.weight.T).view(-1, nkv, hd)
-        k, v = k.repeat_interleave(nh // nkv, 1), v.repeat_interleave(nh // nkv, 1)
-        s = torch.einsum("qhd,khd->hqk", q, k) * hd ** -0.5
-        p = s.masked_fill(~sees[kind], -float("inf")).softmax(-1)
-        h = h + torch.einsum("hqk,khd->qhd", p, v).reshape(B, nh * hd) @ a.o_proj.weight.T
-        y = rms(h, L.post_attention_layernorm.weight)
-        h = h + (F.silu(y @ L.mlp.gate_proj.weight.T) * (y @ L.mlp.up_proj.weight.T)) @ L.mlp.down_proj.weight.T
-    return rms(h, d.norm.weight)[1:] @ head.T
-
-
 def test_mixed_layout_propose_matches_reference(mixed):
     t, drafters, r = mixed
     embed, head = t.embed_tokens.weight, t.lm_head.weight
@@ -1872,7 +1847,7 @@ def test_mixed_layout_propose_matches_reference(mixed):
             s = max(x for x in r["cu"][:-1].tolist() if x <= a)
             args = (r["feats"][s:a], r["pos"][s:a], int(r["tokens"][a]), int(r["pos"][a]), embed, head)
             logits = d.propose(*args)[1]
-            assert rel_err(logits, ref_propose_layered_logits(d, *args)) < 1e-4, (d.config.sliding_window, a)
+            assert rel_err(logits, ref_propose_logits(d, *args, hf_rope=True)) < 1e-4, (d.config.sliding_window, a)
     # the layout matters: the same weights as all full layers, or with plain RoPE, give other logits
     d = drafters[0]
     args = (r["feats"][14:45], r["pos"][14:45], int(r["tokens"][45]), int(r["pos"][45]), embed, head)
