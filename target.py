@@ -759,22 +759,21 @@ class Target(nn.Module):
     def logits(self, ids, cu_seqlens, at=None):
         """Next-token logits [T, vocab], or only at the positions `at` (generation needs each
         document's last)."""
-        assert self.norm is not None, "logits need every layer: build the target without n_layers"
-        for _, h in self._run(ids, cu_seqlens, self.n_layers):
-            pass
-        return self.lm_head(self.norm(h if at is None else h[at])).float()
+        return self.features_and_logits(ids, cu_seqlens, (), at)[1]
 
     @torch.inference_mode()
     def features_and_logits(self, ids, cu_seqlens, layer_ids, at=None):
-        """One forward through every layer giving both `features` and `logits` (speculative
-        decoding: the verification forward also yields the next drafts' context)."""
+        """One forward through every layer giving both `features` (None without layer_ids) and
+        `logits` (speculative decoding: the verification forward also yields the next drafts'
+        context)."""
         assert self.norm is not None, "logits need every layer: build the target without n_layers"
         taps = {}
         for i, h in self._run(ids, cu_seqlens, self.n_layers):
             if i in layer_ids:
                 taps[i] = h
         logits = self.lm_head(self.norm(h if at is None else h[at])).float()
-        return torch.cat([taps[i] for i in layer_ids], dim=-1), logits
+        feats = torch.cat([taps[i] for i in layer_ids], dim=-1) if layer_ids else None
+        return feats, logits
 
     def flops(self, cu_seqlens, n_layers):
         """Matmul FLOPs of a forward through layers [0, n_layers) over one packed row (for MFU)."""
