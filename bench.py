@@ -39,7 +39,7 @@ import torch.nn.functional as F
 import target as target_module
 from target import Target, TargetConfig, positions_from_cu
 from model import Drafter, DrafterConfig, sample_anchors, block_lists
-from model import flex_backward_kernels, flex_matches_dense
+from model import flex_backward_kernels, flex_kernel_options, flex_matches_dense
 
 p = argparse.ArgumentParser(description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -70,7 +70,7 @@ p.add_argument("--shapes",
                default=",".join(f"{n}x{s}" for s in (4096, 8192, 16384)
                                 for n in (128, 256, 512, 1024)),
                help="sweep mode: anchors x budget (tokens) pairs, comma-separated")
-p.add_argument("--docs", type=int, default=4, help="documents per row (target mode)")
+p.add_argument("--docs", type=int, default=4, help="documents per row (target, drafter)")
 p.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "dflash-bench"),
                help="scratch dir")
 args = p.parse_args()
@@ -165,15 +165,15 @@ if args.what == "check":
     print(f"35B-A3B MoE block, 8192 tokens: grouped GEMM vs one matmul per expert (bf16): "
           f"rel err {err:.2e}")
     assert err < 1e-2, "torch._grouped_mm disagrees with the per-expert matmuls"
-    # 2) the compiled flex BlockMask step against the dense-mask SDPA step (train.py's start-up
-    # self-check): loss and every gradient, the published layout (sliding + full layers) and all
-    # full
+    # 2) compiled flex_attention with THE masks against dense-mask SDPA (train.py's start-up
+    # self-check): outputs and q, k, v gradients, the published layout (sliding + full masks) and
+    # all full
     for window in (2048, 0):
         dcfg = DrafterConfig.from_target(TargetConfig.preset("qwen3.6-27b"), sliding_window=window)
-        loss_err, grad_err, seconds = flex_matches_dense(dcfg, dev)
-        print(f"flex vs dense drafter step, layers {dcfg.layer_types}: loss rel err "
-              f"{loss_err:.1e}, max grad rel err {grad_err:.1e}, {seconds:.0f} s")
-        assert loss_err < 1e-3 and grad_err < 1e-3, (
+        out_err, grad_err, seconds = flex_matches_dense(dcfg, dev, flex_kernel_options(dev))
+        print(f"compiled flex vs dense attention, masks {list(dcfg.windows())}: output rel err "
+              f"{out_err:.1e}, max grad rel err {grad_err:.1e}, {seconds:.0f} s")
+        assert out_err < 1e-3 and grad_err < 1e-3, (
             "flex BlockMask path disagrees with the dense path")
     print("check: OK")
 
@@ -200,7 +200,7 @@ elif args.what == "target":
         # the split)
         moe = target.layers[0].mlp
         x = torch.randn(args.budget, cfg.hidden_size, device=dev, dtype=torch.bfloat16)
-        active = sum(p.numel() for n, p in moe.named_parameters() if ".experts." not in n)
+        active = sum(p.numel() for n, p in moe.named_parameters() if not n.startswith("experts."))
         routed = moe.experts.gate_up_proj.numel() + moe.experts.down_proj.numel()
         active += routed * moe.top_k // cfg.num_experts
         grouped = target_module.expert_linear
@@ -266,7 +266,7 @@ elif args.what in ("drafter", "sweep"):
         """train.py's drafter step alone at one shape: compile s, ms, TFLOP, peak GiB,
         fused-backward kernel"""
         torch._dynamo.reset()                       # every shape compiles its own graph
-        cu = row_cu(S, max(2, S // 2048))
+        cu = row_cu(S, args.docs if args.what == "drafter" else max(2, S // 2048))
         doc, pos = doc_pos(cu)
         tokens = torch.randint(0, 248000, (S,), device=dev)
         lm = (torch.rand(S, device=dev) < 0.7).long()
@@ -275,7 +275,7 @@ elif args.what in ("drafter", "sweep"):
         def graph(anchors, keep, blocks):      # as train.py's drafter_step
             with torch.autocast("cuda", torch.bfloat16):
                 return d(feats, tokens, lm, doc, pos, anchors, keep, tgt.embed_tokens.weight,
-                         tgt.lm_head.weight, 7.0, {}, blocks)
+                         tgt.lm_head.weight, 7.0, flex_kernel_options(dev), blocks)
         graph = torch.compile(graph, fullgraph=True, dynamic=False)
         def step():
             anchors, keep, _ = sample_anchors(lm, doc, S, N)     # N per row, from any document
@@ -292,6 +292,12 @@ elif args.what in ("drafter", "sweep"):
             step()
             torch.cuda.synchronize()
         kernels, fused = flex_backward_kernels(prof, kinds=len(dcfg.windows()))
+        # where attention time goes: per flex kernel, calls and ms in one step (one kernel per
+        # mask kind and direction; calls = layers of that kind)
+        split = "; ".join(f"{e.key.replace('triton_tem_fused_', '')} x{e.count} "
+                          f"{e.self_device_time_total / 1e3:.1f} ms"
+                          for e in prof.key_averages() if "flex_attention" in e.key)
+        splits.append(f"flex kernels at {N}x{S}: {split}")
         torch.cuda.reset_peak_memory_stats()
         ms = bench_ms(step)
         fl = d.flops(S, N, visible(dcfg, pos, *sample_anchors(lm, doc, S, N)[:2]))
@@ -306,6 +312,7 @@ elif args.what in ("drafter", "sweep"):
           f"window {dcfg.sliding_window} | {time.strftime('%Y-%m-%d')}")
     print("| anchors | budget | compile s | step ms | TFLOP | MFU | peak GiB "
           "| fused flex backward |\n|---|---|---|---|---|---|---|---|")
+    splits = []
     for N, S in grid:
         try:
             c, ms, fl, mem, fused = drafter_bench(N, S)
@@ -314,6 +321,7 @@ elif args.what in ("drafter", "sweep"):
         except torch.OutOfMemoryError:
             print(f"| {N} | {S} | out of memory |", flush=True)
             torch.cuda.empty_cache()
+    print("\n".join(splits))
 
 elif args.what == "pair":
     from data import write_dataset

@@ -74,18 +74,21 @@ def anchor_mask_mod(anchors, keep, doc, S, B, window=0):
     anchor+k sees context from anchor+k-(window-1) and block slots k-(window-1)..k (causal in the
     block). The window is a run constant (a Python int, part of the compiled graph)."""
     N = anchors.shape[0]
+    # int32, as flex's q_idx/kv_idx: int64 arithmetic on every [q, kv] tile element made the
+    # sliding layers' backward 1.3x slower on H200
+    anchors, doc = anchors.int(), doc.int()
     def mask_mod(b, h, q_idx, kv_idx):
         j = (q_idx // B).clamp(max=N - 1)
         a = anchors[j]
         context = (kv_idx < a) & (doc[kv_idx.clamp(max=S - 1)] == doc[a])
         own_block = (kv_idx >= S) & ((kv_idx - S) // B == j)
-        allowed = (context | own_block) & keep[j]
         if window:
-            # row indices of the query's position and of the key's
-            q_at = a + q_idx % B
-            kv_at = torch.where(kv_idx < S, kv_idx, a + (kv_idx - S) % B)
-            allowed = allowed & (kv_at <= q_at) & (q_at - kv_at < window)
-        return allowed
+            k, slot = q_idx % B, (kv_idx - S) % B     # the query at row a+k, a block key at a+slot
+            context = context & (kv_idx > a + k - window)
+            own_block = own_block & (slot <= k)
+            if window < B:                            # (else k - slot < B <= window always)
+                own_block = own_block & (k - slot < window)
+        return (context | own_block) & keep[j]
     return mask_mod
 
 # -----------------------------------------------------------------------------
@@ -308,6 +311,18 @@ def _dense_attention(allowed):
         return o.masked_fill(~allowed.any(-1)[:, None], 0.0)
     return attend
 
+def flex_kernel_options(device):
+    """flex_attention kernel options for this GPU. ~227 KB of shared memory per block
+    (H100/H200/B200): inductor's tiles with 2 pipeline stages in the backward instead of 3 (H200,
+    512 anchors x 8192, 32/8 heads of 128, fwd+bwd: full mask 3.0 -> 2.4 ms, sliding 5.2 -> 2.8
+    ms). ~100 KB (RTX PRO 6000 Blackwell, consumer parts): smaller tiles, as inductor's defaults
+    do not fit."""
+    props = torch.cuda.get_device_properties(device)
+    if getattr(props, "shared_memory_per_block_optin", 0) >= 200 * 1024:
+        return dict(bwd_num_stages=2)
+    return dict(BLOCK_M=64, BLOCK_N=64, num_stages=2,
+                bwd_BLOCK_M1=32, bwd_BLOCK_N1=64, bwd_BLOCK_M2=32, bwd_BLOCK_N2=32)
+
 def _flex_attention(block_mask, kernel_options):
     from torch.nn.attention.flex_attention import flex_attention
     def attend(q, k, v):
@@ -320,6 +335,25 @@ def block_lists(config, anchors, keep, doc, S):
     the graph."""
     return {kind: anchor_blocks(anchors, keep, doc, S, config.block_size, window)
             for kind, window in config.windows().items()}
+
+def row_attention(config, anchors, keep, doc, S, flex=None, blocks=None):
+    """{layer kind: attend(q, k, v)}: THE mask of each kind present (shared by its layers) as a
+    dense boolean mask + SDPA (flex None: CPU) or as a flex_attention BlockMask over the lists
+    blocks = block_lists(...) with kernel options flex (GPU, inside the compiled step)."""
+    N, B, dev = anchors.shape[0], config.block_size, anchors.device
+    attend = {}
+    for kind, window in config.windows().items():
+        mask_mod = anchor_mask_mod(anchors, keep, doc, S, B, window)
+        if flex is None:
+            q_idx = torch.arange(N * B, device=dev)[:, None]
+            kv_idx = torch.arange(S + N * B, device=dev)[None, :]
+            attend[kind] = _dense_attention(mask_mod(0, 0, q_idx, kv_idx))       # [Q, KV]
+        else:
+            from torch.nn.attention.flex_attention import BlockMask
+            bm = BlockMask((N * B, S + N * B), *blocks[kind], BLOCK_SIZE=(128, 128),
+                           mask_mod=mask_mod)
+            attend[kind] = _flex_attention(bm, flex)
+    return attend
 
 class DrafterAttention(nn.Module):
     """Qwen3 attention whose keys/values are [context ; block] and whose queries are the block."""
@@ -399,20 +433,7 @@ class Drafter(nn.Module):
         is_anchor = (k == 0) & keep[:, None]
         # [N, B]: the anchor's token, then mask tokens (all mask tokens in a padded slot)
         block_ids = tokens[anchors][:, None].expand(N, B).masked_fill(~is_anchor, c.mask_token_id)
-        # one mask per layer kind present, shared by its layers
-        attend = {}
-        for kind, window in c.windows().items():
-            mask_mod = anchor_mask_mod(anchors, keep, doc, S, B, window)
-            if flex is None:
-                q_idx = torch.arange(N * B, device=dev)[:, None]
-                kv_idx = torch.arange(S + N * B, device=dev)[None, :]
-                allowed = mask_mod(0, 0, q_idx, kv_idx)                     # [Q, KV]
-                attend[kind] = _dense_attention(allowed)
-            else:
-                from torch.nn.attention.flex_attention import BlockMask
-                bm = BlockMask((N * B, S + N * B), *blocks[kind], BLOCK_SIZE=(128, 128),
-                               mask_mod=mask_mod)
-                attend[kind] = _flex_attention(bm, flex)
+        attend = row_attention(c, anchors, keep, doc, S, flex, blocks)
         block_pos = (pos[anchors][:, None] + k).view(-1)   # RoPE positions anchor..anchor+B-1
         h = self.hidden(feats, pos, F.embedding(block_ids.view(-1), embed), block_pos, attend)
         # labels: block slot k predicts the token AT anchor+k (no extra shift); slot 0 is the
@@ -573,36 +594,31 @@ def flex_backward_kernels(prof, kinds=1):
     return names, sum("_tem_" in n for n in names) >= kinds
 
 def flex_matches_dense(config, device, kernel_options=None, candidate=None):
-    """The start-up self-check: one training step (loss and every gradient) of a small drafter with
-    config's head geometry, block size, RoPE and layer kinds (one layer of each; the window cut to
-    100 tokens so that it binds), compiled flex_attention vs the dense mask + SDPA path, in fp32
-    without TF32, on a 512-token row of 3 documents with padded anchor slots. A torch whose flex
-    backward is silently wrong fails it (one such bug: BlockMask index lists with wrong strides gave
-    60% wrong dK/dV). Leaves the RNG and dynamo's graph count as it found them.
-    candidate(drafter, inputs) replaces the compiled flex step (tests on CPU).
-    Returns (loss rel err, max over parameters of the gradient rel err, seconds)."""
+    """The start-up self-check: compiled flex_attention (forward and fused backward) with THE mask
+    of each layer kind of config, built as the training step builds it (closed-form lists ->
+    BlockMask inside the compiled graph), vs the dense mask + SDPA, in fp32 without TF32, with
+    config's head geometry and block size, on a 512-token row of 3 documents with anchors at
+    document starts and padded slots (the window cut to 100 tokens so that it binds). Outputs and
+    the gradients of q, k, v under a random linear loss must agree. A torch whose flex backward is
+    silently wrong fails it (one such bug: BlockMask index lists with wrong strides gave 60% wrong
+    dK/dV). Only attention is compiled: the rest of the step is plain inductor code, and compiling
+    it too doubled the check's time. Leaves the RNG and dynamo's graph count as it found them.
+    candidate(config, anchors, keep, doc, S) -> {kind: attend} replaces the compiled flex path
+    (tests on CPU). Returns (output rel err, max gradient rel err, seconds)."""
     t0 = time.perf_counter()
     S, N, lens = 512, 24, (150, 230, 132)
     window = min(config.sliding_window, 100) if SLIDING in config.layer_types else None
-    c = DrafterConfig(hidden_size=128, intermediate_size=256,
-                      num_hidden_layers=len(config.windows()),
-                      num_attention_heads=config.num_attention_heads,
-                      num_key_value_heads=config.num_key_value_heads,
-                      head_dim=config.head_dim, target_layer_ids=[0, 1], num_target_layers=2,
-                      block_size=config.block_size, mask_token_id=255, vocab_size=256,
-                      rope_theta=config.rope_theta,
-                      max_position_embeddings=config.max_position_embeddings,
-                      rms_norm_eps=config.rms_norm_eps, layer_types=list(config.windows()),
-                      rope_scaling=config.rope_scaling, sliding_window=window)
+    c = DrafterConfig(num_attention_heads=config.num_attention_heads,
+                      num_key_value_heads=config.num_key_value_heads, head_dim=config.head_dim,
+                      block_size=config.block_size, num_hidden_layers=len(config.windows()),
+                      layer_types=list(config.windows()), sliding_window=window)
+    kinds, Q, KV = list(c.windows()), N * c.block_size, S + N * c.block_size
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     devices = [device] if torch.device(device).type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(0)
         doc = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)).to(device)
-        pos = torch.cat([torch.arange(n) for n in lens]).to(device)
-        tokens = torch.randint(0, 255, (S,), device=device)
-        loss_mask = (torch.rand(S, device=device) < 0.8).long()
         # positions with a next token in the doc
         inside = torch.nonzero(doc[1:] == doc[:-1]).view(-1)
         picked = inside[torch.randperm(len(inside), device=device)[:N - 5]]
@@ -611,29 +627,37 @@ def flex_matches_dense(config, device, kernel_options=None, candidate=None):
         anchors[:-2] = anchors[:-2].sort().values
         # 2 padded slots, as sample_anchors pads
         keep = torch.arange(N, device=device) < N - 2
-        feats = torch.randn(S, 2 * c.hidden_size, device=device)
-        embed, head = torch.randn(2, 256, c.hidden_size, device=device)
-        d = Drafter(c).to(device)
-        inputs = (feats, tokens, loss_mask, doc, pos, anchors, keep, embed, head)
+        # per kind: q [1, heads, Q, hd], k and v [1, kv heads, KV, hd], the loss weights of o
+        shapes = [(c.num_attention_heads, Q), (c.num_key_value_heads, KV),
+                  (c.num_key_value_heads, KV), (c.num_attention_heads, Q)]
+        data = {kind: [torch.randn(1, h, n, c.head_dim, device=device) for h, n in shapes]
+                for kind in kinds}
+        # {kind: attend} -> run(qkv) -> {kind: o}
+        apply = lambda attend: lambda qkv: {kind: attend[kind](*qkv[kind]) for kind in kinds}
         if candidate is None:
             blocks = block_lists(c, anchors, keep, doc, S)
-            step = torch.compile(lambda: d(*inputs, flex=kernel_options or {}, blocks=blocks),
-                                 fullgraph=True, dynamic=False)
-            candidate = lambda d_, inputs_: step()
+            step = torch.compile(
+                lambda qkv, anchors, keep, doc, blocks: apply(row_attention(
+                    c, anchors, keep, doc, S, kernel_options or {}, blocks))(qkv),
+                fullgraph=True, dynamic=False)
+            flex = lambda qkv: step(qkv, anchors, keep, doc, blocks)
+        else:
+            flex = apply(candidate(c, anchors, keep, doc, S))
+        dense = apply(row_attention(c, anchors, keep, doc, S))
         results = []
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
         try:
-            for run in (lambda: d(*inputs), lambda: candidate(d, inputs)):
-                out = run()
-                out["loss"].backward()
-                results.append((out["loss"].detach().double(),
-                                [p.grad.double() for p in d.parameters()]))
-                d.zero_grad(set_to_none=True)
+            for run in (dense, flex):
+                qkv = {kind: [t.clone().requires_grad_() for t in data[kind][:3]]
+                       for kind in kinds}
+                out = run(qkv)
+                sum((out[kind] * data[kind][3]).sum() for kind in kinds).backward()
+                results.append([t.detach().double() for kind in kinds
+                                for t in (out[kind], *(x.grad for x in qkv[kind]))])
         finally:
             torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
             torch._dynamo.reset()                    # the check's graph is none of the caller's
             torch._dynamo.utils.counters["stats"]["unique_graphs"] = graphs
-    (loss, grads), (loss_, grads_) = results
-    rel = lambda a, b: ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
-    return (rel(loss_, loss), max(rel(g_, g) for g_, g in zip(grads_, grads)),
-            time.perf_counter() - t0)
+    rel = [((a - b).norm() / b.norm().clamp(min=1e-30)).item() for a, b in zip(*results[::-1])]
+    # per kind: output, dq, dk, dv
+    return max(rel[0::4]), max(r for i, r in enumerate(rel) if i % 4), time.perf_counter() - t0

@@ -37,7 +37,7 @@ import generate
 import model
 from data import DataError, Packer, open_dataset, write_dataset
 from model import (FULL, SLIDING, Drafter, DrafterConfig, anchor_blocks, anchor_mask_mod, block_lists,
-                   config_from_json, default_target_layer_ids, drafter_rope, flex_matches_dense,
+                   config_from_json, default_target_layer_ids, drafter_rope, flex_matches_dense, row_attention,
                    sample_anchors)
 from target import (Target, TargetConfig, dequantize_fp8, positions_from_cu, rope_cos_sin, rope_inv_freq,
                     torch_chunk_gated_delta_rule)
@@ -1956,24 +1956,21 @@ def probe_config(**kw):
 
 
 def test_self_check_plumbing():
-    dense = lambda d, inputs: d(*inputs)
-    loss_err, grad_err, seconds = flex_matches_dense(probe_config(), "cpu", candidate=dense)
-    assert loss_err == 0.0 and grad_err == 0.0 and seconds > 0
+    dense = lambda c, *row: row_attention(c, *row)
+    out_err, grad_err, seconds = flex_matches_dense(probe_config(), "cpu", candidate=dense)
+    assert out_err == 0.0 and grad_err == 0.0 and seconds > 0
     rng = torch.get_rng_state()
-    # a step that gets the window wrong by one token, or ignores it, fails the check
+    # attention that gets the window wrong by one token, or ignores it, fails the check
     def wrong(delta):
-        def run(d, inputs):
-            c = d.config
-            d.config = DrafterConfig(**{**vars(c), "layer_types": [FULL] * 2} if delta is None else
-                                     {**vars(c), "sliding_window": c.sliding_window + delta})
-            try:
-                return d(*inputs)
-            finally:
-                d.config = c
+        def run(c, *row):
+            kw = ({"layer_types": [FULL] * 2} if delta is None else
+                  {"sliding_window": c.sliding_window + delta})
+            attend = row_attention(DrafterConfig(**{**vars(c), **kw}), *row)
+            return {SLIDING: attend[FULL if delta is None else SLIDING], FULL: attend[FULL]}
         return run
     for delta in (1, None):
-        loss_err, grad_err, _ = flex_matches_dense(probe_config(), "cpu", candidate=wrong(delta))
-        assert grad_err > 1e-3, (delta, loss_err, grad_err)
+        out_err, grad_err, _ = flex_matches_dense(probe_config(), "cpu", candidate=wrong(delta))
+        assert out_err > 1e-3 and grad_err > 1e-3, (delta, out_err, grad_err)
     assert torch.equal(torch.get_rng_state(), rng)                  # the caller's random stream is untouched
 
 

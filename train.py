@@ -132,7 +132,7 @@ import torch
 import torch.distributed as dist
 from target import Target, TargetConfig
 from model import Drafter, DrafterConfig, sample_anchors, block_lists
-from model import flex_backward_kernels, flex_matches_dense
+from model import flex_backward_kernels, flex_kernel_options, flex_matches_dense
 from data import open_dataset, Packer, make_demo
 
 # -----------------------------------------------------------------------------
@@ -270,14 +270,7 @@ if runs_drafter:
     embed, head = target.embed_tokens.weight, target.lm_head.weight
     # the drafter's parameters are fp32 (AdamW's master weights); its step computes in bf16 on GPU
     opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
-    # flex_attention tiles: the inductor defaults assume ~227 KB of shared memory per block
-    # (H100/H200/B200); cards with ~100 KB (RTX PRO 6000 Blackwell, consumer parts) need smaller
-    flex = None
-    if cuda:
-        props = torch.cuda.get_device_properties(device)
-        small = dict(BLOCK_M=64, BLOCK_N=64, num_stages=2,
-                     bwd_BLOCK_M1=32, bwd_BLOCK_N1=64, bwd_BLOCK_M2=32, bwd_BLOCK_N2=32)
-        flex = {} if getattr(props, "shared_memory_per_block_optin", 0) >= 200 * 1024 else small
+    flex = flex_kernel_options(device) if cuda else None            # flex_attention tiles
     autocast = torch.autocast("cuda", torch.bfloat16) if cuda else nullcontext()
     # before any real step: this torch's compiled flex step must equal the dense step on this run's
     # layout
@@ -286,13 +279,13 @@ if runs_drafter:
         self_check = "skipped (--no-compile: no compiled flex step)"
     if cuda and not args.no_compile:
         import triton
-        loss_err, grad_err, seconds = flex_matches_dense(dcfg, device, flex)
-        self_check = (f"compiled flex step == dense step on {'+'.join(dcfg.windows())} layers: "
-                      f"loss rel err {loss_err:.1e}, max grad rel err {grad_err:.1e} "
-                      f"({seconds:.0f} s)")
-        if not (loss_err < 1e-3 and grad_err < 1e-3):
+        out_err, grad_err, seconds = flex_matches_dense(dcfg, device, flex)
+        self_check = (f"compiled flex_attention == dense attention, {'+'.join(dcfg.windows())} "
+                      f"masks: output rel err {out_err:.1e}, max grad (q, k, v) rel err "
+                      f"{grad_err:.1e} ({seconds:.0f} s)")
+        if not (out_err < 1e-3 and grad_err < 1e-3):
             sys.exit(f"error: self-check failed: {self_check}; flex_attention of torch "
-                     f"{torch.__version__} / triton {triton.__version__} computes a wrong step on "
+                     f"{torch.__version__} / triton {triton.__version__} computes wrong attention on "
                      "this GPU; use another torch release")
     if cuda:
         warnings.filterwarnings("error", message=".*flex_attention called without torch.compile.*")
