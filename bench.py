@@ -472,17 +472,25 @@ elif args.what == "load":
         print(f"wrote {n} shards, {gib:.1f} GiB, to {path} in {time.time() - t0:.0f} s", flush=True)
     # the load in a fresh process, so its peak host RSS is the loader's alone
     child = r"""
-import json, resource, sys, time, torch
+import json, sys, threading, time, torch
 from safetensors import safe_open
 from target import Target
-def hwm():
-    status = open("/proc/self/status")
-    return next(int(l.split()[1]) for l in status if l.startswith("VmHWM")) / 2**20
-path, before = sys.argv[1], hwm()
+def rss():
+    status = dict(l.split(":", 1) for l in open("/proc/self/status"))
+    return {k: int(status[k].split()[0]) / 2**20 for k in ("VmRSS", "RssAnon", "RssFile")}
+path = sys.argv[1]
+torch.zeros(1, device="cuda")              # CUDA's own host memory is in the baseline
+before, peak, done = rss(), rss(), threading.Event()
+def sample():                              # peak of each kind of resident memory, every 5 ms
+    while not done.wait(0.005):
+        for k, v in rss().items():
+            peak[k] = max(peak[k], v)
+threading.Thread(target=sample, daemon=True).start()
 t0 = time.time()
 m = Target.from_pretrained(path, device="cuda", dtype=torch.bfloat16)
 torch.cuda.synchronize()
 sec = time.time() - t0
+done.set()
 key = "model.language_model.layers.0.mlp.gate_proj.weight"
 with open(path + "/model.safetensors.index.json") as f:
     wm = json.load(f)["weight_map"]
@@ -495,8 +503,8 @@ rows, cols = q.shape
 full = s.repeat_interleave(128, 0)[:rows].repeat_interleave(128, 1)[:, :cols]
 same = torch.equal(m.layers[0].mlp.gate_proj.weight, (q.float() * full).to(torch.bfloat16))
 params = sum(p.numel() * p.element_size() for p in m.parameters()) / 2**30
-print(json.dumps(dict(load_s=round(sec, 1), rss_before_gib=round(before, 2),
-                      rss_peak_gib=round(hwm(), 2),
+print(json.dumps(dict(load_s=round(sec, 1), before={k: round(v, 2) for k, v in before.items()},
+                      peak={k: round(v, 2) for k, v in peak.items()},
                       gpu_peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
                       weights_gib=round(params, 2), gate_proj_equals_hand_dequant=same)))
 """
@@ -510,8 +518,13 @@ print(json.dumps(dict(load_s=round(sec, 1), rss_before_gib=round(before, 2),
     print("| measure | value |\n|---|---|")
     print(f"| Target.from_pretrained (read + dequantize; page cache as the write left it) | "
           f"{r['load_s']} s |")
-    print(f"| peak host RSS of the loading process | {r['rss_peak_gib']} GiB "
-          f"({r['rss_before_gib']} GiB before the load) |")
+    shard = max(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)
+                if f.endswith(".safetensors")) / 2**30
+    pk, b0 = r["peak"], r["before"]
+    print(f"| host memory of the loading process: resident / anonymous / file-backed (mmapped "
+          f"shard pages) | peak {pk['VmRSS']} / {pk['RssAnon']} / {pk['RssFile']} GiB; before "
+          f"the load (CUDA up) {b0['VmRSS']} / {b0['RssAnon']} / {b0['RssFile']} GiB; largest "
+          f"shard {shard:.1f} GiB |")
     print(f"| peak GPU memory / the bf16 weights | {r['gpu_peak_gib']} / {r['weights_gib']} GiB |")
     print(f"| layers.0.mlp.gate_proj == hand dequantization | "
           f"{r['gate_proj_equals_hand_dequant']} |")
