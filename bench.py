@@ -22,8 +22,8 @@ GPU checks and measurements (needs CUDA and fla-core; not part of the CPU test s
   python bench.py load
       # writes (once, to --out/fp8-27b) a block-FP8 copy of random qwen3.6-27b tensors in the
       # official -FP8 layout (~30 GB, 128x128 scales), then times Target.from_pretrained of it onto
-      # GPU 0 in bf16 in a fresh process: seconds, peak host RSS, peak GPU memory, one tensor
-      # checked against a hand dequantization
+      # GPU 0 in bf16 in a fresh process: seconds, peak host memory (resident, anonymous, mmapped),
+      # peak GPU memory, one tensor checked against a hand dequantization
 """
 import argparse
 import json

@@ -6,7 +6,7 @@ target -> drafter.
   python train.py        # the demo: tiny target, demo data, CPU or 1 GPU
   torchrun --nproc_per_node=4 train.py --target /ckpt/Qwen3.6-27B --data data/mix --anchors 512 \
       --budget 8192      # 2 pairs
-  torchrun --nproc_per_node=2 train.py --target qwen3.6-27b --anchors 512 --budget 8192  # 27B preset
+  torchrun --nproc_per_node=2 train.py --target qwen3.6-27b --anchors 512 --budget 8192  # preset
 """
 import argparse
 import getpass
@@ -38,14 +38,14 @@ group.add_argument("--generate-tokens", type=int, default=64,
                    help="new tokens per --generate-prompts prompt")
 group = parser.add_argument_group("models")
 group.add_argument("--target", default="tiny", help="HF checkpoint dir of a Qwen3.5/3.6 model "
-                   "(dense or MoE), or a preset: tiny, qwen3.6-27b, qwen3.5-35b-a3b, qwen3.6-35b-a3b "
-                   "(random weights)")
+                   "(dense or MoE), or a preset: tiny, qwen3.6-27b, qwen3.5-35b-a3b, "
+                   "qwen3.6-35b-a3b (random weights)")
 group.add_argument("--drafter-layers", type=int, default=None,
-                   help="drafter decoder layers (default: z-lab's published drafter for the target: "
-                   "5 for the 27B, 6 for the 35B-A3B; else 5)")
+                   help="drafter decoder layers (default: z-lab's published drafter for the "
+                   "target: 5 for the 27B, 6 for the 35B-A3B; else 5)")
 group.add_argument("--n-feat", type=int, default=None,
-                   help="tapped target layers (default: the published drafter's, 5 for the 27B, 8 for "
-                   "the 35B-A3B; else 5, 3 under 16 target layers)")
+                   help="tapped target layers (default: the published drafter's, 5 for the 27B, "
+                   "8 for the 35B-A3B; else 5, 3 under 16 target layers)")
 group.add_argument("--block-size", type=int, default=16,
                    help="tokens per draft block: the anchor + block-size-1 drafted tokens")
 group.add_argument("--mask-token-id", type=int, default=None,
@@ -208,8 +208,9 @@ try:
 except (ValueError, OSError) as e:   # an unknown preset, an unreadable or unsupported config.json
     sys.exit(f"error: --target {args.target}: {e}")
 try:
-    dcfg = DrafterConfig.from_target(tcfg, n_feat=args.n_feat, num_hidden_layers=args.drafter_layers,
-                                     block_size=block_size, mask_token_id=args.mask_token_id,
+    dcfg = DrafterConfig.from_target(tcfg, n_feat=args.n_feat,
+                                     num_hidden_layers=args.drafter_layers, block_size=block_size,
+                                     mask_token_id=args.mask_token_id,
                                      sliding_window=args.sliding_window)
 except ValueError as e:
     sys.exit(f"error: --sliding-window {args.sliding_window}: {e}")
@@ -244,7 +245,8 @@ if preset:
 else:
     try:
         target = Target.from_pretrained(args.target, **load)
-    except (ValueError, KeyError, FileNotFoundError) as e:   # missing, misshapen or mis-scaled tensors
+    # missing, misshapen or mis-scaled tensors
+    except (ValueError, KeyError, FileNotFoundError) as e:
         sys.exit(f"error: --target {args.target}: {e.args[0] if isinstance(e, KeyError) else e}")
 
 if runs_drafter:
@@ -285,8 +287,8 @@ if runs_drafter:
                       f"{grad_err:.1e} ({seconds:.0f} s)")
         if not (out_err < 1e-3 and grad_err < 1e-3):
             sys.exit(f"error: self-check failed: {self_check}; flex_attention of torch "
-                     f"{torch.__version__} / triton {triton.__version__} computes wrong attention on "
-                     "this GPU; use another torch release")
+                     f"{torch.__version__} / triton {triton.__version__} computes wrong attention "
+                     "on this GPU; use another torch release")
     if cuda:
         warnings.filterwarnings("error", message=".*flex_attention called without torch.compile.*")
 
@@ -368,7 +370,8 @@ if args.resume and runs_drafter:
         start_step = ckpt["step"]
     except Exception as e:
         sys.exit(f"error: {ckpt_path} is not a readable checkpoint of this run "
-                 f"({type(e).__name__}: {e}); delete it to start over, or point --out at the right run")
+                 f"({type(e).__name__}: {e}); delete it to start over, or point --out at the right "
+                 "run")
 if world > 1:
     step_t = torch.tensor([start_step], device=device)
     dist.broadcast(step_t, log_rank)
@@ -463,7 +466,8 @@ if world > 1:
 local_forwards = []
 
 def next_row(kind, r):
-    """The next (feats, row fields) from this pair's target; in world size 1 the target runs here."""
+    """The next (feats, row fields) from this pair's target; in world size 1 the target runs
+    here."""
     if world == 1:
         row = eval_rows[r] if kind == "eval" else packer.next_row()
         t0 = mark()
@@ -511,7 +515,8 @@ def save_checkpoint(step):
     torch.save(dict(drafter=drafter.state_dict(), optimizer=opt.state_dict(), step=step,
                     args=vars(args), drafter_config=vars(dcfg),
                     data=dict(rows_per_pair=step, seed=args.seed),
-                    rng=dict(seed=args.seed, note="anchors are drawn from (seed, step, pair)")), tmp)
+                    rng=dict(seed=args.seed, note="anchors are drawn from (seed, step, pair)")),
+               tmp)
     # atomic: a crash mid-write leaves the previous checkpoint intact
     os.replace(tmp, ckpt_path)
     drafter.save_pretrained(os.path.join(args.out, "drafter"))
@@ -621,9 +626,9 @@ for step, kind, r in schedule(start_step):
             kernels, fused = flex_backward_kernels(prof, kinds=len(dcfg.windows()))
             if not fused:
                 raise RuntimeError(
-                    "the first step did not run a fused flex_attention backward kernel for each of the "
-                    f"{len(dcfg.windows())} layer kinds (saw {kernels}); refusing to train on the dense "
-                    "fallback (~17 GB per layer at 512 anchors / 8192 budget)")
+                    "the first step did not run a fused flex_attention backward kernel for each "
+                    f"of the {len(dcfg.windows())} layer kinds (saw {kernels}); refusing to train "
+                    "on the dense fallback (~17 GB per layer at 512 anchors / 8192 budget)")
             print0(f"step {step}: fused flex_attention backward verified "
                    f"(profiler saw {', '.join(kernels)})")
             fused_checked = True
@@ -676,12 +681,14 @@ for step, kind, r in schedule(start_step):
                    mem_gib=stats[:, 1].tolist(),
                    # compiled on this rank so far
                    graphs=torch._dynamo.utils.counters["stats"]["unique_graphs"])
-        log(rec, f"step {rec['step']}/{max_steps} | ep {rec['epoch']:.2f} | loss {rec['loss']:.4f} | "
-                 f"accept {rec['accept']:.3f} | lr {rec['lr']:.2e} | gnorm {rec['gnorm']:.2f} | "
+        log(rec, f"step {rec['step']}/{max_steps} | ep {rec['epoch']:.2f} | "
+                 f"loss {rec['loss']:.4f} | accept {rec['accept']:.3f} | lr {rec['lr']:.2e} | "
+                 f"gnorm {rec['gnorm']:.2f} | "
                  f"{rec['tok_s']:.0f} tok/s {rec['blocks_s']:.0f} blocks/s | "
                  f"anchors/row {rec['anchors_row']:.0f} cut {rec['anchors_cut']} "
                  f"pad {rec['pad_frac']:.0%} | ms target {target_ms:.0f} wait {wait_ms:.0f} "
-                 f"drafter {drafter_ms:.0f} busy {rec['busy_target']:.0%} {rec['busy_drafter']:.0%} | "
+                 f"drafter {drafter_ms:.0f} busy {rec['busy_target']:.0%} "
+                 f"{rec['busy_drafter']:.0%} | "
                  f"mem GiB {' '.join(f'{x:.1f}' for x in rec['mem_gib'])}")
         train_sums.zero_(), gnorm_sum.zero_(), nonfinite_rows.zero_()
         step_marks, local_forwards, n_window, t_window = [], [], 0, time.perf_counter()
@@ -692,7 +699,8 @@ if args.generate_prompts and world > 1:
            f"--drafter {args.out}/drafter` on one GPU")
 elif args.generate_prompts and rank == log_rank:
     import generate
-    exported = Drafter.from_pretrained(os.path.join(args.out, "drafter"), device=device, dtype=tdtype)
+    exported = Drafter.from_pretrained(os.path.join(args.out, "drafter"), device=device,
+                                       dtype=tdtype)
     prompts = generate.dataset_prompts(data_dir, args.generate_prompts, log=print0)
     prompts = [p.to(device) for p in prompts]
     eos = set() if preset else set(generate.hf_eos(args.target))
