@@ -77,8 +77,7 @@ def greedy(target, prompt, max_new, eos=()):
     """Plain greedy decoding, one full-sequence target forward per token. Returns the new tokens."""
     seq = prompt
     for _ in range(max_new):
-        nxt = target.logits(seq, torch.tensor([0, len(seq)]),
-                            at=torch.tensor([len(seq) - 1])).argmax(-1)
+        nxt = _forward(target, seq, (), [len(seq) - 1])[1].argmax(-1)
         seq = torch.cat([seq, nxt])
         if int(nxt) in eos:
             break
@@ -92,8 +91,7 @@ def divergence(target, prompt, spec, ref):
     if i == len(spec) == len(ref):
         return None
     ids = torch.cat([prompt, prompt.new_tensor(ref[:i])])
-    top2 = target.logits(ids, torch.tensor([0, len(ids)]),
-                         at=torch.tensor([len(ids) - 1]))[0].topk(2).values
+    top2 = _forward(target, ids, (), [len(ids) - 1])[1][0].topk(2).values
     gap = float(top2[0] - top2[1])
     bf16 = target.embed_tokens.weight.dtype == torch.bfloat16
     near = gap <= (2 ** -7 if bf16 else 1e-4) * abs(float(top2[0]))  # bf16 keeps 8 significant bits
@@ -191,7 +189,9 @@ def chat_prompts(path, tokenizer, n):
     prompts = []
     with open(path) as f:
         for lineno, line in enumerate(f, 1):
-            if len(prompts) == n or not line.strip():
+            if len(prompts) == n:
+                break
+            if not line.strip():
                 continue
             try:
                 msgs = json.loads(line)["messages"]
@@ -209,7 +209,8 @@ def chat_prompts(path, tokenizer, n):
     return prompts
 
 def hf_eos(path):
-    # a checkpoint's eos ids: generation_config.json, else config.json (or its text_config)
+    # a checkpoint's eos ids: generation_config.json, else config.json (or its text_config); none
+    # for a preset
     for name in ("generation_config.json", "config.json"):
         file = os.path.join(path, name)
         if os.path.exists(file):
@@ -294,7 +295,7 @@ def main(argv=None):
     if args.eos:
         eos = [int(x) for x in args.eos.split(",")]
     else:
-        eos = [] if preset else hf_eos(args.target)
+        eos = hf_eos(args.target)
 
     if args.random_prompts:
         g = torch.Generator().manual_seed(args.seed)

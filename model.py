@@ -94,7 +94,10 @@ def anchor_mask_mod(anchors, keep, doc, S, B, window=0):
 # -----------------------------------------------------------------------------
 # 3) the mask as BlockMask lists
 
-def anchor_blocks(anchors, keep, doc, S, B, window=0, tile=128):
+# the BlockMask tile (queries x keys): anchor_blocks builds its lists, row_attention declares it
+TILE = 128
+
+def anchor_blocks(anchors, keep, doc, S, B, window=0):
     """The BlockMask of anchor_mask_mod in closed form, eager and sort-free on the device: (kv_num,
     kv_idx, full_kv_num, full_kv_idx, q_num, q_idx, full_q_num, full_q_idx), exactly what
     create_block_mask returns (the tests check it). Not create_block_mask inside the compiled step:
@@ -110,7 +113,7 @@ def anchor_blocks(anchors, keep, doc, S, B, window=0, tile=128):
     new_doc[1:] = doc[1:] != doc[:-1]
     # first position of each token's document
     doc_start = torch.where(new_doc, t, 0).cummax(0).values
-    r = torch.arange(-(-Q // tile) * tile, device=dev)[:, None]         # (tile-padded) query rows
+    r = torch.arange(-(-Q // TILE) * TILE, device=dev)[:, None]         # (tile-padded) query rows
     j, k = r // B, r % B                                                 # their anchor, block slot
     real = j < N
     j = j.clamp(max=N - 1)
@@ -120,8 +123,8 @@ def anchor_blocks(anchors, keep, doc, S, B, window=0, tile=128):
     if window:
         lo = lo.maximum(a + k - (window - 1))
         blo, bhi = blo + (k - (window - 1)).clamp(min=0), blo + k + 1
-    k0 = torch.arange(0, KV, tile, device=dev)[None, :]                  # first key of each kv tile
-    k1 = k0 + tile
+    k0 = torch.arange(0, KV, TILE, device=dev)[None, :]                  # first key of each kv tile
+    k1 = k0 + TILE
     sees_context = lo.maximum(k0) < hi.minimum(k1)
     sees_block = blo.maximum(k0) < bhi.minimum(k1)
     hit = kept & real & (sees_context | sees_block)
@@ -130,9 +133,9 @@ def anchor_blocks(anchors, keep, doc, S, B, window=0, tile=128):
     context_full = (k0 >= ctx_end) | ((lo <= k0) & (ctx_end <= hi))
     block_full = (blk_start >= k1) | ((blo <= blk_start) & (k1 <= bhi))
     full = kept & real & context_full & block_full
-    R = hit.shape[0] // tile
-    hit = hit.view(R, tile, -1).any(1)                                   # [q tiles, kv tiles]
-    full = full.view(R, tile, -1).all(1)
+    R = hit.shape[0] // TILE
+    hit = hit.view(R, TILE, -1).any(1)                                   # [q tiles, kv tiles]
+    full = full.view(R, TILE, -1).all(1)
     partial = hit & ~full
     # as flex's own: block count per row, indices of the set blocks first, ascending
     def ordered(dense):
@@ -303,12 +306,11 @@ def drafter_rope(pos, c):
 
 def _dense_attention(allowed):
     # allowed [Q, KV] bool, or None for every key
+    # padded slots (queries that see nothing): zeros, as flex gives
+    blind = None if allowed is None else ~allowed.any(-1)[:, None]
     def attend(q, k, v):
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
-        if allowed is None:
-            return o
-        # padded slots: zeros, as flex gives
-        return o.masked_fill(~allowed.any(-1)[:, None], 0.0)
+        return o if blind is None else o.masked_fill(blind, 0.0)
     return attend
 
 def flex_kernel_options(device):
@@ -350,7 +352,7 @@ def row_attention(config, anchors, keep, doc, S, flex=None, blocks=None):
             attend[kind] = _dense_attention(mask_mod(0, 0, q_idx, kv_idx))       # [Q, KV]
         else:
             from torch.nn.attention.flex_attention import BlockMask
-            bm = BlockMask((N * B, S + N * B), *blocks[kind], BLOCK_SIZE=(128, 128),
+            bm = BlockMask((N * B, S + N * B), *blocks[kind], BLOCK_SIZE=(TILE, TILE),
                            mask_mod=mask_mod)
             attend[kind] = _flex_attention(bm, flex)
     return attend
@@ -584,7 +586,7 @@ def config_from_json(cfg):
 # the checks that flex_attention really computes THE mask, with the fused backward
 # (train.py, bench.py)
 
-def flex_backward_kernels(prof, kinds=1):
+def flex_backward_kernels(prof, kinds):
     """Names of the flex_attention backward kernels a torch.profiler run saw, the fused ones first,
     and whether the fused inductor template (triton_tem_fused_flex_attention_backward_*) ran for all
     `kinds` masks (each mask_mod compiles its own). Outside a compiled graph flex runs a dense math

@@ -185,6 +185,12 @@ def test_start_checks(tmp_path):
     other = Drafter(DrafterConfig.from_target(TargetConfig.preset("tiny"), n_feat=2))
     other.save_pretrained(str(tmp_path / "other"))
     assert "does not match the target" in fails("o5", "--init-drafter", tmp_path / "other")
+    # blocks of 8 under --block-size 16; another mask token than --mask-token-id asks for
+    eight = Drafter(DrafterConfig.from_target(TargetConfig.preset("tiny"), block_size=8))
+    eight.save_pretrained(str(tmp_path / "eight"))
+    assert "block 8, mask token" in fails("o5b", "--init-drafter", tmp_path / "eight")
+    assert "--mask-token-id 7, vocab" in fails("o5c", "--init-drafter", tmp_path / "eight", "--block-size", "8",
+                                               "--mask-token-id", "7")
     assert "DFlash pairs need an even number" in fails("o6", "--data", demo, nproc=3, port=29531)
 
 

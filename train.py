@@ -197,7 +197,14 @@ budget, per_doc, block_size = args.budget, args.anchors, args.block_size
 demand = packer.anchor_demand(per_doc)
 # a multiple of 8: 128-row tiles
 row_anchors = args.row_anchors or int(-(-np.percentile(demand, 90) // 8) * 8)
-row_anchors = max(8, min(row_anchors, budget - 1, 4 * budget // block_size))
+most_anchors = min(budget - 1, 4 * budget // block_size)
+row_anchors = max(8, min(row_anchors, most_anchors))
+
+try:
+    import triton
+    triton_version = triton.__version__
+except ImportError:
+    triton_version = "-"
 
 # -----------------------------------------------------------------------------
 # models: target ranks load the layers up to the last tapped one, drafters embed_tokens + lm_head
@@ -217,7 +224,6 @@ except ValueError as e:
 taps = dcfg.target_layer_ids
 n_feat = len(taps)
 tdtype = torch.bfloat16 if cuda else torch.float32
-most_anchors = min(budget - 1, 4 * budget // block_size)
 start_checks = [
     (train_ds.vocab_size <= tcfg.vocab_size, f"--data {data_dir}: token ids reach "
      f"{train_ds.vocab_size - 1}, past the target's vocab ({tcfg.vocab_size}); prepare the data "
@@ -257,10 +263,16 @@ if runs_drafter:
     except ValueError as e:
         sys.exit(f"error: --init-drafter {args.init_drafter}: {e}")
     drafter = drafter.to(device)
-    if drafter.config.hidden_size != tcfg.hidden_size or drafter.config.target_layer_ids != taps:
-        sys.exit(f"error: --init-drafter {args.init_drafter} (hidden {drafter.config.hidden_size}, "
-                 f"taps {drafter.config.target_layer_ids}) does not match the target "
-                 f"(hidden {tcfg.hidden_size}, taps {taps})")
+    d = drafter.config
+    # the row capacity and metrics above assume --block-size; the mask token must be a target row
+    if ((d.hidden_size, d.target_layer_ids, d.block_size) != (tcfg.hidden_size, taps, block_size)
+            or args.mask_token_id not in (None, d.mask_token_id)
+            or not 0 <= d.mask_token_id < tcfg.vocab_size):
+        sys.exit(f"error: --init-drafter {args.init_drafter} (hidden {d.hidden_size}, taps "
+                 f"{d.target_layer_ids}, block {d.block_size}, mask token {d.mask_token_id}) does "
+                 f"not match the target and flags (hidden {tcfg.hidden_size}, taps {taps}, "
+                 f"--block-size {block_size}, --mask-token-id {dcfg.mask_token_id}, vocab "
+                 f"{tcfg.vocab_size})")
     layout = lambda c: (c.layer_types, c.windows())
     asked = args.init_drafter and args.sliding_window is not None
     if asked and layout(drafter.config) != layout(dcfg):
@@ -280,16 +292,15 @@ if runs_drafter:
     if cuda and args.no_compile:
         self_check = "skipped (--no-compile: no compiled flex step)"
     if cuda and not args.no_compile:
-        import triton
         out_err, grad_err, seconds = flex_matches_dense(dcfg, device, flex)
         self_check = (f"compiled flex_attention == dense attention, {'+'.join(dcfg.windows())} "
                       f"masks: output rel err {out_err:.1e}, max grad (q, k, v) rel err "
                       f"{grad_err:.1e} ({seconds:.0f} s)")
         if not (out_err < 1e-3 and grad_err < 1e-3):
             sys.exit(f"error: self-check failed: {self_check}; flex_attention of torch "
-                     f"{torch.__version__} / triton {triton.__version__} computes wrong attention "
+                     f"{torch.__version__} / triton {triton_version} computes wrong attention "
                      "on this GPU; use another torch release")
-    if cuda:
+        # (--no-compile runs flex eagerly on purpose)
         warnings.filterwarnings("error", message=".*flex_attention called without torch.compile.*")
 
 def lr_at(step):
@@ -329,9 +340,12 @@ def pack_row(row):
 def unpack_row(packed):
     return dict(zip(ROW_FIELDS, packed))
 
-def target_features(row):
-    ids = torch.from_numpy(row.tokens).to(device)
-    return target.features(ids, torch.from_numpy(row.cu_seqlens), taps)
+def load_row(kind, r):
+    """(target features, packed fields) of the next row of `kind` (target ranks, world size 1):
+    one upload, whose tokens row feeds the target, made before its forward is queued."""
+    row = eval_rows[r] if kind == "eval" else packer.next_row()
+    packed = pack_row(row)
+    return target.features(packed[0], torch.from_numpy(row.cu_seqlens), taps), packed
 
 def mark():
     # a point in time on this rank's GPU stream (no host sync); the host clock on CPU, where work is
@@ -393,11 +407,6 @@ infos = [info]
 if world > 1:
     infos = [None] * world
     dist.all_gather_object(infos, info)
-try:
-    import triton
-    triton_version = triton.__version__
-except ImportError:
-    triton_version = "-"
 print0(f"dflash train | torch {torch.__version__} | triton {triton_version} | "
        f"{world} process(es), {n_pairs} pair(s)")
 print0("args: " + json.dumps(vars(args)))
@@ -432,9 +441,8 @@ if role == "target":
     inflight, forwards = [], []
     for step, kind, r in schedule(start_step):
         if kind in ("eval", "train"):
-            row = eval_rows[r] if kind == "eval" else packer.next_row()
             t0 = mark()
-            feats, packed = target_features(row), pack_row(row)
+            feats, packed = load_row(kind, r)
             forwards.append((t0, mark()))
             # one batched P2P op per row: NCCL serializes unbatched sends with every other op on the
             # group
@@ -469,13 +477,12 @@ def next_row(kind, r):
     """The next (feats, row fields) from this pair's target; in world size 1 the target runs
     here."""
     if world == 1:
-        row = eval_rows[r] if kind == "eval" else packer.next_row()
         t0 = mark()
-        feats = target_features(row)
+        feats, packed = load_row(kind, r)
         if kind == "train":
             local_forwards.append((t0, mark()))
         # a clone: autograd cannot save inference tensors
-        return feats.clone(), unpack_row(pack_row(row))
+        return feats.clone(), unpack_row(packed)
     # the receive is posted only now, queued behind the previous step: a receive posted earlier
     # keeps an NCCL kernel resident on this GPU's SMs through the whole step; the target queued its
     # send long ago
@@ -528,13 +535,14 @@ def reduce_drafters(t):
     return t
 
 # The metrics of a window live in one device tensor (one all-reduce, no host sync per step), named
-# here only. blocks: anchors kept; wanted: anchors the rows asked for before the capacity cut.
-METRICS = dict(loss=1, accept_sum=1, blocks=1, wanted=1, nonfinite=1,
+# here only. blocks: anchors kept; wanted: anchors the rows asked for before the capacity cut;
+# gnorm: the same on every drafter (gradients are averaged before clipping)
+METRICS = dict(loss=1, accept_sum=1, blocks=1, wanted=1, nonfinite=1, gnorm=1,
                slot_correct=block_size, slot_count=block_size)
 
-def pack_metrics(out, wanted, nonfinite):
-    loss = out["loss"].detach().float().nan_to_num(0.0)
-    parts = [loss, out["accept_sum"], out["blocks"], wanted, nonfinite,
+def pack_metrics(out, wanted, nonfinite, gnorm):
+    loss, gnorm = (x.detach().float().nan_to_num(0.0) for x in (out["loss"], gnorm))
+    parts = [loss, out["accept_sum"], out["blocks"], wanted, nonfinite, gnorm,
              out["slot_correct"], out["slot_count"]]
     return torch.cat([p.float().view(-1) for p in parts])
 
@@ -556,7 +564,6 @@ def log(record, line):
 params = list(drafter.parameters())
 train_sums = torch.zeros(sum(METRICS.values()), device=device)
 eval_sums = torch.zeros_like(train_sums)
-gnorm_sum = torch.zeros((), device=device)
 # non-finite?, epoch, row
 nonfinite_rows = torch.zeros(args.log_interval, 3, dtype=torch.long, device=device)
 step_marks, n_window = [], 0
@@ -573,7 +580,8 @@ for step, kind, r in schedule(start_step):
         torch.manual_seed(args.seed + 7919 * r)      # the same held-out anchors at every eval
         anchors, keep, blocks, wanted = draw_anchors(row)
         out = eval_step_(feats, row, anchors, keep, blocks)
-        eval_sums += pack_metrics(out, wanted, torch.zeros((), device=device))
+        zero = torch.zeros((), device=device)
+        eval_sums += pack_metrics(out, wanted, zero, zero)
         if r == len(eval_rows) - 1:
             m = unpack_metrics(reduce_drafters(eval_sums).to("cpu", copy=True))
             eval_sums.zero_()
@@ -596,9 +604,8 @@ for step, kind, r in schedule(start_step):
             group_["lr"] = lr_at(step)
         # the fused-backward check profiles the first step after the one that compiled (a profiler
         # around compilation would also record every autotuning kernel)
-        profile = not fused_checked and step > start_step
         prof = None
-        if profile:
+        if not fused_checked and step > start_step:
             prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
             prof.__enter__()
         anchors, keep, blocks, wanted = draw_anchors(row)
@@ -632,8 +639,7 @@ for step, kind, r in schedule(start_step):
             print0(f"step {step}: fused flex_attention backward verified "
                    f"(profiler saw {', '.join(kernels)})")
             fused_checked = True
-        train_sums += pack_metrics(out, wanted, nonfinite)
-        gnorm_sum += gnorm.detach().nan_to_num(0.0)
+        train_sums += pack_metrics(out, wanted, nonfinite, gnorm)
         nonfinite_rows[n_window, 0] = nonfinite                     # device copies, no host sync
         nonfinite_rows[n_window, 1:] = row["where"][:2]
         n_window += 1
@@ -664,7 +670,7 @@ for step, kind, r in schedule(start_step):
         rec = dict(kind="train", step=step + 1, epoch=(step + 1) / steps_per_epoch,
                    loss=m["loss"].item() / rows_done,
                    accept=m["accept_sum"].item() / max(m["blocks"].item(), 1),
-                   lr=lr_at(step), gnorm=gnorm_sum.item() / n_window,
+                   lr=lr_at(step), gnorm=m["gnorm"].item() / rows_done,
                    # context tokens, all pairs
                    tok_s=rows_done * budget / seconds,
                    # supervised draft blocks
@@ -690,7 +696,7 @@ for step, kind, r in schedule(start_step):
                  f"drafter {drafter_ms:.0f} busy {rec['busy_target']:.0%} "
                  f"{rec['busy_drafter']:.0%} | "
                  f"mem GiB {' '.join(f'{x:.1f}' for x in rec['mem_gib'])}")
-        train_sums.zero_(), gnorm_sum.zero_(), nonfinite_rows.zero_()
+        train_sums.zero_(), nonfinite_rows.zero_()
         step_marks, local_forwards, n_window, t_window = [], [], 0, time.perf_counter()
 
 if args.generate_prompts and world > 1:
@@ -703,7 +709,7 @@ elif args.generate_prompts and rank == log_rank:
                                        dtype=tdtype)
     prompts = generate.dataset_prompts(data_dir, args.generate_prompts, log=print0)
     prompts = [p.to(device) for p in prompts]
-    eos = set() if preset else set(generate.hf_eos(args.target))
+    eos = set(generate.hf_eos(args.target))
     res = generate.evaluate(target, exported, prompts, args.generate_tokens, eos, log=print0)
     proxy = eval_accept if eval_rows else None
     log(dict(kind="generate", step=max_steps, proxy_accept=proxy, **res),
