@@ -502,7 +502,12 @@ def expert_linear(x, w, ends):
         # one grouped GEMM over all experts (CUTLASS on sm90+); the offsets stay on the device: no
         # host sync
         return torch._grouped_mm(x, w.transpose(1, 2), offs=ends.to(torch.int32))
-    # rows not 16-byte aligned (toy sizes) or fp32: one matmul per expert on its contiguous slice
+    # rows not 16-byte aligned (toy sizes) or fp32
+    return per_expert_linear(x, w, ends)
+
+def per_expert_linear(x, w, ends):
+    # expert_linear as one matmul per expert on its contiguous slice (host sync for the split
+    # sizes); bench.py times and checks the grouped GEMM against it
     sizes = ends.diff(prepend=ends.new_zeros(1)).tolist()
     return torch.cat([F.linear(xe, we) for xe, we in zip(x.split(sizes), w)])
 
@@ -539,6 +544,15 @@ class MoE(nn.Module):
         # weighted sum over the k slots, fp32 accumulate
         routed = torch.bmm(w[:, None, :], out)[:, 0]
         return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+def active_params(module):
+    """Weights each token multiplies by in `module` (for matmul FLOPs): its 2-D weights, and of
+    every MoE's routed experts the share a token runs (top_k of num_experts)."""
+    n = sum(p.numel() for p in module.parameters() if p.dim() == 2)
+    for moe in (m for m in module.modules() if isinstance(m, MoE)):
+        routed = moe.experts.gate_up_proj.numel() + moe.experts.down_proj.numel()
+        n += routed * moe.top_k // moe.gate.out_features
+    return n
 
 class TargetLayer(nn.Module):
     def __init__(self, c, kind):
@@ -781,12 +795,7 @@ class Target(nn.Module):
     def flops(self, cu_seqlens, n_layers):
         """Matmul FLOPs of a forward through layers [0, n_layers) over one packed row (for MFU)."""
         c, T = self.config, int(cu_seqlens[-1])
-        params = list(self.layers[:n_layers].named_parameters())
-        linear = sum(p.numel() for n, p in params if p.dim() == 2)
-        # routed experts: each token runs top_k of them (active parameters); router and shared
-        # expert are in linear
-        experts = sum(p.numel() for n, p in params if ".experts." in n)
-        linear += experts * c.num_experts_per_tok // max(c.num_experts, 1)
+        linear = active_params(self.layers[:n_layers])
         lens = (cu_seqlens[1:] - cu_seqlens[:-1]).double()
         n_full = sum(c.layer_types[i] == "full_attention" for i in range(n_layers))
         causal_pairs = float((lens * (lens + 1) / 2).sum())
