@@ -26,6 +26,7 @@ GPU checks and measurements (needs CUDA and fla-core; not part of the CPU test s
       # peak GPU memory, one tensor checked against a hand dequantization
 """
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -113,11 +114,15 @@ def visible(dcfg, pos, anchors, keep):
     return {kind: (((q + 1).clamp(max=w) if w else full) * keep[:, None]).sum().item()
             for kind, w in dcfg.windows().items()}
 
-def per_expert(x, w, ends):
-    # target.expert_linear without the grouped GEMM: one matmul per expert (host sync for the
-    # split sizes)
-    sizes = ends.diff(prepend=ends[:1] * 0).tolist()
-    return torch.cat([F.linear(xe, we) for xe, we in zip(x.split(sizes), w)])
+@contextlib.contextmanager
+def per_expert_matmuls():
+    # the MoE blocks run one matmul per expert instead of the grouped GEMM, until the block exits
+    grouped = target_module.expert_linear
+    target_module.expert_linear = target_module.per_expert_linear
+    try:
+        yield
+    finally:
+        target_module.expert_linear = grouped
 
 def doc_pos(cu):
     # boundaries -> (document id, position in document) per token, on the GPU, as a packed row
@@ -158,10 +163,9 @@ if args.what == "check":
     a3b = TargetConfig.preset("qwen3.5-35b-a3b")
     moe = Target.build(a3b, device=dev, dtype=torch.bfloat16, n_layers=1, head=False).layers[0].mlp
     x = torch.randn(8192, a3b.hidden_size, device=dev, dtype=torch.bfloat16)
-    grouped, out = target_module.expert_linear, moe(x)
-    target_module.expert_linear = per_expert
-    err = rel(out, moe(x))
-    target_module.expert_linear = grouped
+    out = moe(x)
+    with per_expert_matmuls():
+        err = rel(out, moe(x))
     print(f"35B-A3B MoE block, 8192 tokens: grouped GEMM vs one matmul per expert (bf16): "
           f"rel err {err:.2e}")
     assert err < 1e-2, "torch._grouped_mm disagrees with the per-expert matmuls"
@@ -194,23 +198,21 @@ elif args.what == "target":
           f"{args.budget / ms * 1e3:.0f} tok/s, {fl / ms / 1e9:.0f} TFLOP/s, "
           f"MFU {fl / (ms * 1e-3) / peak:.1%} (matmul peak {peak / 1e12:.0f} TFLOP/s), "
           f"peak mem {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB"
-          + (" [FLOPs on active parameters: 8 of 256 experts]" if cfg.num_experts else ""))
+          + (f" [FLOPs on active parameters: {cfg.num_experts_per_tok} of {cfg.num_experts} "
+             "experts]" if cfg.num_experts else ""))
     if cfg.num_experts:
         # one MoE block over the row: the grouped GEMM against one matmul per expert (host sync for
         # the split)
         moe = target.layers[0].mlp
         x = torch.randn(args.budget, cfg.hidden_size, device=dev, dtype=torch.bfloat16)
-        active = sum(p.numel() for n, p in moe.named_parameters() if not n.startswith("experts."))
-        routed = moe.experts.gate_up_proj.numel() + moe.experts.down_proj.numel()
-        active += routed * moe.top_k // cfg.num_experts
-        grouped = target_module.expert_linear
-        for name in ("grouped GEMM (torch._grouped_mm)", "one matmul per expert"):
-            ms = bench_ms(lambda: moe(x), 10)
+        active = target_module.active_params(moe)
+        for name, swap in (("grouped GEMM (torch._grouped_mm)", contextlib.nullcontext()),
+                           ("one matmul per expert", per_expert_matmuls())):
+            with swap:
+                ms = bench_ms(lambda: moe(x), 10)
             print(f"  MoE block, {args.budget} tokens, {name}: {ms:.2f} ms, "
                   f"{2 * args.budget * active / ms / 1e9:.0f} TFLOP/s "
                   f"(x {len(target.layers)} layers)")
-            target_module.expert_linear = per_expert
-        target_module.expert_linear = grouped
     # the full-attention kernel choice, measured at this shape
     T, nh, nkv, hd = args.budget, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     q = torch.randn(nh, T, hd, device=dev, dtype=torch.bfloat16)
@@ -260,22 +262,22 @@ elif args.what in ("drafter", "sweep"):
     torch.manual_seed(0)
     d = Drafter(dcfg).to(dev)
     opt = torch.optim.AdamW(d.parameters(), lr=6e-4, weight_decay=0.0, fused=True)
-    B = dcfg.block_size
+    kernel_options = flex_kernel_options(dev)   # as train.py: once, outside the compiled graph
 
     def drafter_bench(N, S):
         """train.py's drafter step alone at one shape: compile s, ms, TFLOP, peak GiB,
-        fused-backward kernel"""
+        fused-backward kernel, flex kernel split"""
         torch._dynamo.reset()                       # every shape compiles its own graph
         cu = row_cu(S, args.docs if args.what == "drafter" else max(2, S // 2048))
         doc, pos = doc_pos(cu)
-        tokens = torch.randint(0, 248000, (S,), device=dev)
+        tokens = torch.randint(0, tcfg.vocab_size, (S,), device=dev)
         lm = (torch.rand(S, device=dev) < 0.7).long()
         feats = torch.randn(S, len(dcfg.target_layer_ids) * tcfg.hidden_size, device=dev,
                             dtype=torch.bfloat16)
         def graph(anchors, keep, blocks):      # as train.py's drafter_step
             with torch.autocast("cuda", torch.bfloat16):
                 return d(feats, tokens, lm, doc, pos, anchors, keep, tgt.embed_tokens.weight,
-                         tgt.lm_head.weight, 7.0, flex_kernel_options(dev), blocks)
+                         tgt.lm_head.weight, 7.0, kernel_options, blocks)
         graph = torch.compile(graph, fullgraph=True, dynamic=False)
         def step():
             anchors, keep, _ = sample_anchors(lm, doc, S, N)     # N per row, from any document
@@ -297,13 +299,12 @@ elif args.what in ("drafter", "sweep"):
         split = "; ".join(f"{e.key.replace('triton_tem_fused_', '')} x{e.count} "
                           f"{e.self_device_time_total / 1e3:.1f} ms"
                           for e in prof.key_averages() if "flex_attention" in e.key)
-        splits.append(f"flex kernels at {N}x{S}: {split}")
         torch.cuda.reset_peak_memory_stats()
         ms = bench_ms(step)
         fl = d.flops(S, N, visible(dcfg, pos, *sample_anchors(lm, doc, S, N)[:2]))
         seen = ", ".join(k for k in kernels if "_tem_" in k)
         return (compile_s, ms, fl, torch.cuda.max_memory_allocated() / 2**30,
-                seen if fused else f"NOT SEEN ({seen})")
+                seen if fused else f"NOT SEEN ({seen})", split)
 
     grid = ([(args.anchors, args.budget)] if args.what == "drafter" else
             [tuple(map(int, x.split("x"))) for x in args.shapes.split(",")])
@@ -315,7 +316,8 @@ elif args.what in ("drafter", "sweep"):
     splits = []
     for N, S in grid:
         try:
-            c, ms, fl, mem, fused = drafter_bench(N, S)
+            c, ms, fl, mem, fused, split = drafter_bench(N, S)
+            splits.append(f"flex kernels at {N}x{S}: {split}")
             print(f"| {N} | {S} | {c:.0f} | {ms:.0f} | {fl / 1e12:.0f} | "
                   f"{fl / (ms * 1e-3) / peak:.1%} | {mem:.1f} | {fused} |", flush=True)
         except torch.OutOfMemoryError:
@@ -325,6 +327,7 @@ elif args.what in ("drafter", "sweep"):
 
 elif args.what == "pair":
     from data import write_dataset
+    tcfg = TargetConfig.preset(args.target)
     # synthetic data with the real shapes: documents of 1-3K (short) or 4-8K (long) tokens, loss on
     # their second half
     data = os.path.join(args.out, f"data-{args.mix}")
@@ -334,10 +337,12 @@ elif args.what == "pair":
         def samples(n):
             for _ in range(n):
                 L = int(rng.integers(lo, hi))
-                yield (rng.integers(0, 248000, L).astype(np.uint32),
+                yield (rng.integers(0, tcfg.vocab_size, L).astype(np.uint32),
                        (np.arange(L) >= L // 2).astype(np.uint8))
-        write_dataset(os.path.join(data, "train"), samples(400), vocab_size=248320, force=True)
-        write_dataset(os.path.join(data, "val"), samples(8), vocab_size=248320, force=True)
+        write_dataset(os.path.join(data, "train"), samples(400), vocab_size=tcfg.vocab_size,
+                      force=True)
+        write_dataset(os.path.join(data, "val"), samples(8), vocab_size=tcfg.vocab_size,
+                      force=True)
     common = ["train.py", "--target", args.target, "--data", data,
               "--anchors", str(args.anchors), "--row-anchors", str(args.row_anchors),
               "--budget", str(args.budget), "--max-steps", str(args.steps),
@@ -375,9 +380,8 @@ elif args.what == "pair":
         # steady state: the last full log window after the one that compiled (the final one may be
         # short)
         if lines:
-            recs[name] = lines[max(1, len(lines) - 2)] if len(lines) > 2 else lines[-1]
+            recs[name] = lines[-2] if len(lines) > 2 else lines[-1]
     peak = matmul_peak()
-    tcfg = TargetConfig.preset(args.target)
     dcfg = DrafterConfig.from_target(tcfg, num_hidden_layers=args.drafter_layers,
                                      sliding_window=args.sliding_window)
     with torch.device("meta"):

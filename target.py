@@ -184,11 +184,18 @@ def _fla():
 # -----------------------------------------------------------------------------
 # target config and layers
 
-# transformers' Qwen3_5TextConfig defaults where they differ from the 27B values below (a
-# config.json without the field gets these, as in transformers)
+# GDN decay parameters: fp32 whatever the model dtype (the log decay g is computed in fp32)
+FP32_PARAMS = ("A_log", "dt_bias")
+
+# transformers' Qwen3_5TextConfig and Qwen3_5MoeTextConfig defaults where they differ from the 27B
+# values below (a config.json without the field gets these, as in transformers)
 HF_TEXT_DEFAULTS = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
                         num_attention_heads=16, linear_num_value_heads=32,
                         max_position_embeddings=32768)
+# intermediate_size 0: no dense SwiGLU (Qwen3_5MoeTextConfig has no such field)
+HF_MOE_TEXT_DEFAULTS = dict(hidden_size=2048, intermediate_size=0, num_hidden_layers=40,
+                            num_attention_heads=16, num_key_value_heads=2,
+                            linear_num_value_heads=32, max_position_embeddings=32768)
 # Qwen3.5 MoE fields (transformers Qwen3_5MoeTextConfig): none may be set in a dense config
 MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
               "shared_expert_intermediate_size")
@@ -227,21 +234,25 @@ class TargetConfig:
             every = self.full_attention_interval
             self.layer_types = ["full_attention" if (i + 1) % every == 0 else "linear_attention"
                                 for i in range(self.num_hidden_layers)]
-        bad = set(self.layer_types) - {"full_attention", "linear_attention"}
-        assert not bad, (
-            f"unsupported layer_types {bad}: this target supports Qwen3.5/3.6 hybrid layers only")
-        assert len(self.layer_types) == self.num_hidden_layers, (
-            "layer_types must have one entry per layer")
+        # messages as from_hf's: "field = value is not supported: why" (it prefixes the file)
+        bad = [t for t in self.layer_types if t not in ("full_attention", "linear_attention")]
+        if bad:
+            raise ValueError(f"layer_types = {bad[0]!r} is not supported: Qwen3.5/3.6 layers are "
+                             "full_attention or linear_attention")
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types = '{len(self.layer_types)} entries' is not supported: "
+                             f"num_hidden_layers is {self.num_hidden_layers}")
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
-            raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok}: must be "
-                             f"1..num_experts ({self.num_experts})")
+            raise ValueError(f"num_experts_per_tok = {self.num_experts_per_tok} is not supported: "
+                             f"must be 1..num_experts ({self.num_experts})")
 
     @classmethod
     def from_hf(cls, path):
         """config.json of an HF checkpoint: the multimodal wrapper (text_config) or a text-only
-        config. Absent fields take transformers' defaults (Qwen3_5Config / Qwen3_5TextConfig); a
-        field that changes the math and that this target does not implement is a one-line
-        ValueError naming it."""
+        config. Absent fields take transformers' defaults (Qwen3_5TextConfig, or
+        Qwen3_5MoeTextConfig for qwen3_5_moe), except that a qwen3_5_moe config must give its MoE
+        geometry (MOE_FIELDS); a field that changes the math and that this target does not
+        implement is a one-line ValueError naming it."""
         file = os.path.join(path, "config.json") if os.path.isdir(path) else path
         with open(file) as f:
             cfg = json.load(f)
@@ -256,8 +267,7 @@ class TargetConfig:
             raise ValueError(f"{file}: {field} = {value!r} is not supported: {why}")
         moe = cfg["model_type"].startswith("qwen3_5_moe")
         given = {f.name: text[f.name] for f in fields(cls) if f.name in text}
-        # absent fields take transformers' defaults; a qwen3_5_moe config must give its MoE geometry
-        kw = given if moe else {**HF_TEXT_DEFAULTS, **given}
+        kw = {**(HF_MOE_TEXT_DEFAULTS if moe else HF_TEXT_DEFAULTS), **given}
         # the multimodal model ties lm_head by the wrapper's flag, not text_config's (transformers
         # 5.x Qwen3_5ForConditionalGeneration); a text-only config reads its own. Both default to
         # False.
@@ -275,6 +285,9 @@ class TargetConfig:
                    "use model_type qwen3_5_moe or remove it") for k in moe_only],
                 *[(where + k, not moe or k in text,
                    f"a qwen3_5_moe config needs {', '.join(MOE_FIELDS)}") for k in MOE_FIELDS],
+                # (0 would make TargetConfig a dense model without its MLP)
+                (where + "num_experts", not moe or text.get("num_experts", 1) > 0,
+                 "a qwen3_5_moe model routes every token to experts"),
                 (where + "norm_topk_prob", not moe or text.get("norm_topk_prob", True) is True,
                  "qwen3_5_moe renormalises the top-k weights"),
                 (where + "mlp_only_layers", not moe or not text.get("mlp_only_layers"),
@@ -283,25 +296,13 @@ class TargetConfig:
                  "every layer of a qwen3_5_moe model is MoE")]:
             if not ok:
                 fail(field, text.get(field.split(".")[-1]), why)
-        if moe:
-            # no dense SwiGLU (qwen3_5_moe configs have no such field)
-            kw.setdefault("intermediate_size", 0)
-            if not 0 < kw["num_experts_per_tok"] <= kw["num_experts"]:
-                fail(where + "num_experts_per_tok", kw["num_experts_per_tok"],
-                     f"must be 1..num_experts ({kw['num_experts']})")
-        types = text.get("layer_types")
-        if types is not None:
-            bad = [t for t in types if t not in ("full_attention", "linear_attention")]
-            if bad:
-                fail("layer_types", bad[0],
-                     "Qwen3.5/3.6 layers are full_attention or linear_attention")
-            if len(types) != kw["num_hidden_layers"]:
-                fail("layer_types", f"{len(types)} entries",
-                     f"num_hidden_layers is {kw['num_hidden_layers']}")
         kw.update(cls._rope_from_hf(text, fail))
         quant = cfg.get("quantization_config") or text.get("quantization_config")
         kw["fp8_block"] = cls._fp8_from_hf(quant, fail)
-        return cls(**kw)
+        try:   # layer_types and num_experts_per_tok: checked by __post_init__
+            return cls(**kw)
+        except ValueError as e:
+            raise ValueError(f"{file}: {e}") from None
 
     @staticmethod
     def _rope_from_hf(text, fail):
@@ -501,7 +502,12 @@ def expert_linear(x, w, ends):
         # one grouped GEMM over all experts (CUTLASS on sm90+); the offsets stay on the device: no
         # host sync
         return torch._grouped_mm(x, w.transpose(1, 2), offs=ends.to(torch.int32))
-    # rows not 16-byte aligned (toy sizes) or fp32: one matmul per expert on its contiguous slice
+    # rows not 16-byte aligned (toy sizes) or fp32
+    return per_expert_linear(x, w, ends)
+
+def per_expert_linear(x, w, ends):
+    # expert_linear as one matmul per expert on its contiguous slice (host sync for the split
+    # sizes); bench.py times and checks the grouped GEMM against it
     sizes = ends.diff(prepend=ends.new_zeros(1)).tolist()
     return torch.cat([F.linear(xe, we) for xe, we in zip(x.split(sizes), w)])
 
@@ -538,6 +544,15 @@ class MoE(nn.Module):
         # weighted sum over the k slots, fp32 accumulate
         routed = torch.bmm(w[:, None, :], out)[:, 0]
         return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+def active_params(module):
+    """Weights each token multiplies by in `module` (for matmul FLOPs): its 2-D weights, and of
+    every MoE's routed experts the share a token runs (top_k of num_experts)."""
+    n = sum(p.numel() for p in module.parameters() if p.dim() == 2)
+    for moe in (m for m in module.modules() if isinstance(m, MoE)):
+        routed = moe.experts.gate_up_proj.numel() + moe.experts.down_proj.numel()
+        n += routed * moe.top_k // moe.gate.out_features
+    return n
 
 class TargetLayer(nn.Module):
     def __init__(self, c, kind):
@@ -614,7 +629,7 @@ class Target(nn.Module):
             model = cls(config, n_layers, head)
         state = {}
         for name, p in model.named_parameters():
-            fp32 = name.endswith(("A_log", "dt_bias"))
+            fp32 = name.endswith(FP32_PARAMS)
             t = torch.empty(p.shape, dtype=torch.float32 if fp32 else dtype, device=device)
             if name.endswith("A_log"):
                 t.copy_(torch.linspace(0.0, 2.7, p.numel()))  # decay rates exp(A) in [1, 15]
@@ -661,12 +676,14 @@ class Target(nn.Module):
         prefix = "model.language_model." if multimodal else "model."
         with torch.device("meta"):
             model = cls(config, n_layers, head)
+        params = dict(model.named_parameters())
+        if config.tie_word_embeddings:
+            # set to embed_tokens' tensor below: read (and dequantized) once
+            params.pop("lm_head.weight", None)
         wanted = {}   # shard file -> [(our name, checkpoint key, expected shape)]
         keys_of = {}  # our name -> its checkpoint keys (several: experts stored one per expert)
-        for name, p in model.named_parameters():
+        for name, p in params.items():
             key = "lm_head.weight" if name == "lm_head.weight" else prefix + name
-            if key == "lm_head.weight" and config.tie_word_embeddings:
-                key = prefix + "embed_tokens.weight"
             keys, shape = [key], tuple(p.shape)
             if key not in where and name.endswith(("experts.gate_up_proj", "experts.down_proj")):
                 # the official checkpoints store each layer's experts fused, [E, 2I, H] and
@@ -698,7 +715,7 @@ class Target(nn.Module):
                     if tuple(t.shape) != shape:
                         raise ValueError(f"{file}: tensor {key} has shape {tuple(t.shape)}, "
                                          f"expected {shape} from config.json")
-                    out = torch.float32 if name.endswith(("A_log", "dt_bias")) else dtype
+                    out = torch.float32 if name.endswith(FP32_PARAMS) else dtype
                     scale_key = key + "_scale_inv"   # FP8 tensors come with their block scales
                     if scale_key in where or (t.is_floating_point() and t.element_size() == 1):
                         if scale_key not in where or t.dtype != torch.float8_e4m3fn or t.dim() != 2:
@@ -720,15 +737,16 @@ class Target(nn.Module):
                                            f"{scale_file}: {scale_key}")
                     tensors[key] = t.to(out)
         state = {}
-        for name, p in model.named_parameters():
+        for name, p in params.items():
             keys = keys_of[name]
             if len(keys) == 1:
-                # (a tied lm_head reads the same key as embed_tokens)
                 state[name] = tensors[keys[0]]
             else:
                 # per-expert tensors, freed as they are stacked: [E (x2 gate, up), rows, cols] ->
                 # p's shape
                 state[name] = torch.stack([tensors.pop(k) for k in keys]).view(p.shape)
+        if config.tie_word_embeddings and head:
+            state["lm_head.weight"] = state["embed_tokens.weight"]
         model.load_state_dict(state, assign=True)
         return model
 
@@ -755,7 +773,6 @@ class Target(nn.Module):
         taps = {i: h for i, h in self._run(ids, cu_seqlens, last + 1) if i in layer_ids}
         return torch.cat([taps[i] for i in layer_ids], dim=-1)
 
-    @torch.inference_mode()
     def logits(self, ids, cu_seqlens, at=None):
         """Next-token logits [T, vocab], or only at the positions `at` (generation needs each
         document's last)."""
@@ -778,12 +795,7 @@ class Target(nn.Module):
     def flops(self, cu_seqlens, n_layers):
         """Matmul FLOPs of a forward through layers [0, n_layers) over one packed row (for MFU)."""
         c, T = self.config, int(cu_seqlens[-1])
-        params = list(self.layers[:n_layers].named_parameters())
-        linear = sum(p.numel() for n, p in params if p.dim() == 2)
-        # routed experts: each token runs top_k of them (active parameters); router and shared
-        # expert are in linear
-        experts = sum(p.numel() for n, p in params if ".experts." in n)
-        linear += experts * c.num_experts_per_tok // max(c.num_experts, 1)
+        linear = active_params(self.layers[:n_layers])
         lens = (cu_seqlens[1:] - cu_seqlens[:-1]).double()
         n_full = sum(c.layer_types[i] == "full_attention" for i in range(n_layers))
         causal_pairs = float((lens * (lens + 1) / 2).sum())
