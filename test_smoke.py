@@ -39,7 +39,7 @@ from data import DataError, Packer, open_dataset, write_dataset
 from model import (FULL, SLIDING, Drafter, DrafterConfig, anchor_blocks, anchor_mask_mod, block_lists,
                    config_from_json, default_target_layer_ids, drafter_rope, flex_matches_dense, row_attention,
                    sample_anchors)
-from target import (MoE, Target, TargetConfig, dequantize_fp8, expert_linear, positions_from_cu, rope_cos_sin,
+from target import (MOE_FIELDS, MoE, Target, TargetConfig, dequantize_fp8, expert_linear, positions_from_cu, rope_cos_sin,
                     rope_inv_freq, torch_chunk_gated_delta_rule)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -474,6 +474,7 @@ def test_tied_embeddings_text_only(tmp_path):
     write_text_only(str(tmp_path), cfg, sd, flat_rope=False)
     t = Target.from_pretrained(str(tmp_path), dtype=torch.float32)
     assert torch.equal(t.lm_head.weight, sd["embed_tokens.weight"])
+    assert t.lm_head.weight.data_ptr() == t.embed_tokens.weight.data_ptr()  # tied: one tensor
     ids, cu = torch.randint(0, cfg.vocab_size, (20,)), cu_of([20])
     ref = F.linear(src.norm(src.features(ids, cu, [1])), sd["embed_tokens.weight"])
     torch.testing.assert_close(t.logits(ids, cu), ref, rtol=0, atol=1e-5)
@@ -2222,11 +2223,16 @@ def test_rope_spellings_parse_alike(small_ckpts, tmp_path):
 # -----------------------------------------------------------------------------
 # defaults follow transformers: absent fields, rope_theta 10000, the tie flag of the multimodal wrapper
 
-def test_config_defaults_follow_hf(tmp_path):
+@pytest.mark.parametrize("moe", [False, True])
+def test_config_defaults_follow_hf(tmp_path, moe):
     hf = hf_qwen3_5()
+    from transformers import Qwen3_5MoeTextConfig
+    ref = Qwen3_5MoeTextConfig() if moe else hf.Qwen3_5TextConfig()
+    # a qwen3_5_moe config must give its MoE geometry (here transformers' defaults)
+    given = {k: getattr(ref, k) for k in MOE_FIELDS} if moe else {}
     with open(tmp_path / "config.json", "w") as f:
-        json.dump({"model_type": "qwen3_5_text"}, f)
-    ours, ref = TargetConfig.from_hf(str(tmp_path)), hf.Qwen3_5TextConfig()
+        json.dump({"model_type": "qwen3_5_moe_text" if moe else "qwen3_5_text", **given}, f)
+    ours = TargetConfig.from_hf(str(tmp_path))
     for field in dataclasses.fields(TargetConfig):
         if hasattr(ref, field.name) and field.name not in ("rope_theta", "partial_rotary_factor", "rope_scaling"):
             assert getattr(ours, field.name) == getattr(ref, field.name), field.name
@@ -2593,6 +2599,7 @@ def test_moe_missing_expert_tensor(moe_pair, tmp_path):
     ("moe:mlp_only_layers=[0]", "mlp_only_layers"),
     ("moe:decoder_sparse_step=2", "decoder_sparse_step"),
     ("moe:num_experts_per_tok=9", "num_experts_per_tok"),
+    ("moe:num_experts=0", "text_config.num_experts"),                         # a MoE model without experts
 ])
 def test_moe_config_errors(tmp_path, edit, field):
     text = text_config_json(TargetConfig(**SMALL))
