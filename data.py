@@ -240,21 +240,6 @@ class Packer:
         return Row(tokens, mask, doc, pos, np.array(cu, np.int64), idx.astype(np.int64),
                    self.epoch, r)
 
-    def anchor_demand(self, per_doc, rows=512):
-        """Anchors each of the first `rows` rows of this epoch's plan (all shards) asks for when
-        every sample gives min(per_doc, eligible) of them, eligible = positions a with
-        loss_mask[a] = loss_mask[a+1] = 1 (model.sample_anchors). train.py sizes the row's anchor
-        capacity from it. Reads only those samples."""
-        demand = []
-        for r in range(min(rows, len(self._starts) - 1)):
-            want = 0
-            for i in self._order[self._starts[r]:self._starts[r + 1]].tolist():
-                a = int(self.ds.offsets[i])
-                mask = np.asarray(self.ds.loss_mask[a:a + int(self._len[i])], dtype=bool)
-                want += min(per_doc, int((mask[:-1] & mask[1:]).sum()))
-            demand.append(want)
-        return np.array(demand, np.int64)
-
     def seek(self, steps):
         """Go to the position after `steps` rows of this shard since the start of epoch 0 (epochs
         differ in length, so this walks the epoch plans; lengths only, no token is read)."""

@@ -194,7 +194,11 @@ steps_per_epoch = packer.steps_per_epoch
 max_steps = args.max_steps or packer.total_steps(args.epochs)
 budget, per_doc, block_size = args.budget, args.anchors, args.block_size
 # the anchor capacity of a row: rows that want more are cut fairly across documents, fewer padded
-demand = packer.anchor_demand(per_doc)
+# what the first 512 rows of the plan (all pairs') ask for, counted by the sampler itself
+probe = Packer(train_ds, args.budget, seed=args.seed)
+demand = np.array([int(sample_anchors(torch.from_numpy(row.loss_mask), torch.from_numpy(row.doc),
+                                      per_doc, 1)[2])
+                   for row in (probe.next_row() for _ in range(min(512, probe.steps_per_epoch)))])
 # a multiple of 8: 128-row tiles
 row_anchors = args.row_anchors or int(-(-np.percentile(demand, 90) // 8) * 8)
 most_anchors = min(budget - 1, 4 * budget // block_size)
