@@ -267,6 +267,44 @@ class Packer:
 class _Bad(Exception):
     """A skipped input line: args = (kind, detail)."""
 
+ROLES = ("system", "developer", "user", "assistant", "tool")
+# ShareGPT speaker names -> OpenAI roles (FastChat's and SpecForge's readers accept these)
+SHAREGPT_ROLES = dict(human="user", user="user", gpt="assistant", assistant="assistant",
+                      chatgpt="assistant", bing="assistant", bard="assistant", model="assistant",
+                      system="system", tool="tool", function="tool", observation="tool")
+
+def conversation(obj):
+    """A JSONL object -> its messages (OpenAI chat format: dicts with a role and the rest passed
+    through whole: content, reasoning_content, tool_calls, ...). Accepts {"messages": [...]},
+    ShareGPT {"conversations": [{"from": .., "value": ..}]} and {"prompt": str}; raises _Bad."""
+    if not isinstance(obj, dict):
+        raise _Bad("not a JSON object", f"got {type(obj).__name__}")
+    if "messages" in obj:
+        msgs = obj["messages"]
+    elif "conversations" in obj:
+        turns = obj["conversations"]
+        if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
+            raise _Bad("bad conversations", 'need a list of {"from": str, "value": str}')
+        unknown = {t.get("from") for t in turns} - set(SHAREGPT_ROLES)
+        if unknown:
+            raise _Bad("unknown role", f"ShareGPT \"from\" {sorted(map(str, unknown))}, expected "
+                       f"one of {sorted(SHAREGPT_ROLES)}")
+        msgs = [{"role": SHAREGPT_ROLES[t["from"]], "content": t.get("value")} for t in turns]
+    elif "prompt" in obj:
+        if not isinstance(obj["prompt"], str):
+            raise _Bad("bad prompt", "\"prompt\" must be a string")
+        msgs = [{"role": "user", "content": obj["prompt"]}]
+    else:
+        raise _Bad("no conversation", 'need "messages", "conversations" or "prompt"')
+    if not (isinstance(msgs, list) and msgs and all(isinstance(m, dict) for m in msgs)):
+        raise _Bad("bad messages", "need a non-empty list of message objects")
+    for i, m in enumerate(msgs):
+        if m.get("role") not in ROLES:
+            raise _Bad("unknown role", f"message {i} has role {m.get('role')!r}, expected one of "
+                       f"{', '.join(ROLES)}")
+    # transformers' apply_chat_template drops keys whose value is None before rendering
+    return [{k: v for k, v in m.items() if v is not None} for m in msgs]
+
 def _chat_encoder(path):
     """Qwen chat format, tokenized per piece, so we know exactly which tokens are the answers'."""
     from tokenizers import Tokenizer  # only the chat path needs it
