@@ -1682,7 +1682,7 @@ def test_demo_is_the_targets_greedy_output(tmp_path):
             p = int((mask == 0).sum())
             assert 8 <= p <= 24 and len(ids) == p + 20 and mask[:p].sum() == 0 and mask[p:].all()
             prompts.add(tuple(ids[:p].tolist()))
-            # independent of the packed step-by-step generation: one teacher-forced forward over
+            # independent of the cached lockstep decode (Target.greedy): one teacher-forced forward over
             # the sample alone; a causal model's argmax at each continuation position: the next token
             logits = tiny.logits(ids, torch.tensor([0, len(ids)]))
             assert torch.equal(logits[p - 1:-1].argmax(-1), ids[p:])
