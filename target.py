@@ -107,6 +107,11 @@ class MLP(nn.Module):
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
+def upload(t, device):
+    # a host tensor to `device` without a host sync: .to() from pageable memory waits for the
+    # stream to drain; a copy from pinned memory is queued like a kernel
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
 def positions_from_cu(cu_seqlens):
     # cu_seqlens [n+1] (CPU) -> positions [T] restarting at 0 in every document
     lens = cu_seqlens[1:] - cu_seqlens[:-1]
@@ -173,6 +178,16 @@ def torch_chunk_gated_delta_rule(q, k, v, g, beta, chunk=None):
         state = state * last[:, None, None].exp() + k_decayed.transpose(-1, -2) @ v_new
     o = torch.stack(out, 1).reshape(heads, n * chunk, -1).transpose(0, 1)  # [T_padded, heads, dv]
     return o[:T]
+
+@functools.lru_cache(maxsize=4)
+def _chunk_indices(cu, device):
+    # fla's work list of 64-token chunks for boundaries cu (a tuple): [n_chunks, 2] = (document,
+    # chunk within it), as fla.ops.utils.prepare_chunk_indices makes it, but from the host's
+    # boundaries (fla makes it from the device cu_seqlens with a host sync in every forward)
+    counts = (torch.tensor(cu).diff() + 63) // 64
+    doc = torch.repeat_interleave(torch.arange(len(counts)), counts)
+    first = counts.cumsum(0) - counts
+    return upload(torch.stack([doc, torch.arange(len(doc)) - first[doc]], 1), device)
 
 def _fla():
     # imported lazily: CPU users and CI never need triton
@@ -463,13 +478,14 @@ class GatedDeltaNet(nn.Module):
         split = [key_dim, key_dim, self.n_v * self.dv]
         if x.is_cuda and cache is None:
             chunk_gated_delta_rule, causal_conv1d, rms_norm_gated = _fla()
+            chunks = _chunk_indices(tuple(cu_list), x.device)
             y, _ = causal_conv1d(qkv[None], weight=self.conv1d.weight[:, 0], activation="silu",
-                                 cu_seqlens=cu)
+                                 cu_seqlens=cu, chunk_indices=chunks)
             q, k, v = y[0].split(split, dim=-1)
             q, k = q.view(1, T, self.n_qk, self.dk), k.view(1, T, self.n_qk, self.dk)
             o, _ = chunk_gated_delta_rule(q, k, v.view(1, T, self.n_v, self.dv), g=g[None],
                                           beta=beta[None], use_qk_l2norm_in_kernel=True,
-                                          cu_seqlens=cu)
+                                          cu_seqlens=cu, chunk_indices=chunks)
             o = rms_norm_gated(o[0], z, self.norm.weight, None, activation="swish", eps=self.eps)
         else:
             width = self.conv1d.weight.shape[-1]
@@ -781,10 +797,10 @@ class Target(nn.Module):
         # documents
         c = self.config
         cu_list = cu_seqlens.tolist()
-        pos = positions_from_cu(cu_seqlens).to(ids.device)
+        pos = upload(positions_from_cu(cu_seqlens), ids.device)
         rope = rope_cos_sin(pos, int(c.head_dim * c.partial_rotary_factor), c.rope_theta,
                             c.rope_scaling, c.max_position_embeddings)
-        cu = cu_seqlens.to(ids.device)
+        cu = upload(cu_seqlens, ids.device)
         h = self.embed_tokens(ids)
         for i in range(stop):
             h = self.layers[i](h, rope, cu, cu_list)
