@@ -579,8 +579,8 @@ if args.wandb and rank == log_rank:
     run = wandb.init(project=args.wandb, name=args.wandb_name, config=dict(
         vars(args), world=world, pairs=n_pairs, devices=[i["device"] for i in infos],
         torch=torch.__version__, triton=triton_version, target_layers=tcfg.num_hidden_layers,
-        taps=taps, drafter_layers=dcfg.layer_types, drafter_params=n_params,
-        row_anchors=row_anchors, steps=max_steps, self_check=self_check))
+        taps=taps, drafter_layout=dcfg.layer_types, drafter_params=n_params,
+        row_capacity=row_anchors, steps=max_steps, self_check=self_check))
 
 def log(record, line):
     # the record first: a step a user saw on screen is on disk too, whatever kills the job next
