@@ -49,7 +49,6 @@ from model import flex_backward_kernels, flex_kernel_options, flex_matches_dense
 p = argparse.ArgumentParser(description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("what", choices=["check", "target", "drafter", "sweep", "pair", "steps", "load"])
-p.add_argument("train_args", nargs="*", help="steps mode: train.py's arguments, after --")
 p.add_argument("--anchors", type=int, default=512,
                help="draft blocks per row (drafter, sweep); per document (pair)")
 p.add_argument("--row-anchors", type=int, default=0,
@@ -79,7 +78,10 @@ p.add_argument("--shapes",
 p.add_argument("--docs", type=int, default=4, help="documents per row (target, drafter)")
 p.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "dflash-bench"),
                help="scratch dir")
-args = p.parse_args()
+# steps mode: what follows -- is train.py's command line
+cut = sys.argv.index("--") if "--" in sys.argv else len(sys.argv)
+args = p.parse_args(sys.argv[1:cut])
+args.train_args = sys.argv[cut + 1:]
 dev = torch.device("cuda")
 
 def bench_ms(fn, iters=5):
@@ -436,7 +438,8 @@ elif args.what == "steps":
     activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * torch.cuda.is_available()
     n = 20
     prof = profile(activities=activities, schedule=schedule(wait=28, warmup=2, active=n, repeat=1))
-    hook = torch.optim.Optimizer.register_optimizer_step_post_hook(lambda *a: prof.step())
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    hook = register_optimizer_step_post_hook(lambda *a: prof.step())
     sys.argv = ["train.py", "--out", os.path.join(args.out, "steps"), *args.train_args]
     prof.start()
     runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py"),
