@@ -322,6 +322,7 @@ def _package(name, cmd):
 def _jinja_env(jinja2):
     """The environment of transformers' apply_chat_template (v5.24,
     transformers/utils/chat_template_utils.py), which SGLang and vLLM render templates with."""
+    import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class Generation(jinja2.ext.Extension):
@@ -512,7 +513,7 @@ class Chat:
             raise _Bad("no assistant turn", "nothing to train on")
         if turns == "last":
             idx = idx[-1:]
-        n, notes = Counter(turns=len(idx)), []
+        n, notes = Counter(assistant_turns=len(idx)), []
         texts, spans = [self.render(msgs[:idx[-1] + 1], tools)], [[]]
         for i in reversed(idx):
             prompt = self.render(msgs[:i], tools, True)
@@ -520,9 +521,9 @@ class Chat:
             if not turn.startswith(prompt):
                 n["not_as_served"] += 1
                 k = len(os.path.commonprefix([prompt, turn]))
-                notes.append(("not as served", f"turn {i}: its rendering departs from the "
-                              f"generation prompt at {prompt[k:k + 30]!r} (e.g. reasoning kept "
-                              "with thinking off: check --chat-template-kwargs); skipped"))
+                notes.append(("not as served", f"turn {i}: the generation prompt goes on "
+                              f"{prompt[k:k + 20]!r} where the turn has {turn[k:k + 20]!r} (e.g. "
+                              "reasoning with thinking off: check --chat-template-kwargs)"))
                 continue
             k = next((k for k, t in enumerate(texts) if t.startswith(turn)), None)
             if k is None:
@@ -658,7 +659,7 @@ def _chunks(f, blank, size=64):
     if chunk:
         yield chunk
 
-CHAT_COUNTS = ("turns", "trained", "own_sample", "not_as_served", "not_intact", "length",
+CHAT_COUNTS = ("assistant_turns", "trained", "own_sample", "not_as_served", "not_intact", "length",
                "straddle", "thinking_tokens", "answer_tokens")
 
 def prepare(input, out, tokenizer=None, val=None, vocab_size=None, force=False, max_bad=0.01,
@@ -743,7 +744,7 @@ def prepare(input, out, tokenizer=None, val=None, vocab_size=None, force=False, 
     _summary(out, metas, t0, log)
     if chat:
         c = counts[0] + counts[1]
-        log(f"chat: {c['trained']} of {c['turns']} assistant turns trained "
+        log(f"chat: {c['trained']} of {c['assistant_turns']} assistant turns trained "
             f"({c['own_sample']} in a sample of their own, rendered as served), "
             f"{c['not_as_served']} not as served (skipped), {c['not_intact']} not intact, "
             f"{c['length']} cut by max tokens (finish_reason length), {c['straddle']} tokens "
@@ -859,6 +860,15 @@ def _val_arg(s):  # --val: a number of lines (>= 1) or a fraction of them in (0,
                                          "or a fraction in (0, 1)")
     return v if v < 1 else int(v)
 
+def _kwargs_arg(s):  # --chat-template-kwargs: a JSON object
+    try:
+        v = json.loads(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e})")
+    if not isinstance(v, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object, e.g. '{\"enable_thinking\": false}'")
+    return v
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -869,7 +879,20 @@ def main(argv=None):
     p.add_argument("--out", required=True,
                    help="output directory; gets train/ and, with --val, val/")
     p.add_argument("--tokenizer", default=None,
-                   help="HF tokenizer.json, needed for \"messages\" lines")
+                   help="checkpoint (or tokenizer) directory: its tokenizer.json and chat template "
+                   "(chat_template.jinja or tokenizer_config.json) render the chat lines, as the "
+                   "serving engine does; needed for chat lines")
+    p.add_argument("--chat-template-kwargs", type=_kwargs_arg, default={},
+                   help="JSON object of template variables, as the engine's chat_template_kwargs: "
+                   "e.g. '{\"enable_thinking\": false}' or '{\"preserve_thinking\": true}'; "
+                   "use what you serve (and regenerated) with")
+    p.add_argument("--turns", choices=("all", "last"), default="all",
+                   help="assistant turns to train: all (default; each in the context serving gave "
+                   "it, turns the template renders the same later share one sample, a turn it "
+                   "re-renders gets its own) or last (the final turn only)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="processes rendering and tokenizing (the parent reads and writes, in "
+                   "order); default 1")
     p.add_argument("--val", type=_val_arg, default=None,
                    help="held-out lines: a count (e.g. 1000) or a fraction (e.g. 0.01), "
                    "spread evenly over the file; default none")
@@ -892,11 +915,22 @@ def main(argv=None):
                    help=f"greedy tokens per sample, all supervised (default {dflt[2]})")
     d.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     d.add_argument("--force", action="store_true", help="overwrite an existing demo")
+    st = sub.add_parser("stats", help="what a prepared dataset will teach: counts, lengths, "
+                        "the --budget cut, thinking vs answer tokens, one sample marked")
+    st.add_argument("dir", help="dataset directory (prepare's OUT, or OUT/train, OUT/val)")
+    st.add_argument("--budget", type=int, default=8192,
+                    help="tokens per row you will train with (default 8192)")
+    st.add_argument("--tokenizer", default=None,
+                    help="checkpoint dir to decode the sample with (default: the one prepare used)")
+    st.add_argument("--sample", type=int, default=0, help="which sample to print (default 0)")
     args = ap.parse_args(argv)
     try:
         if args.cmd == "prepare":
             prepare(args.input, args.out, args.tokenizer, args.val, args.vocab_size, args.force,
-                    args.max_bad)
+                    args.max_bad, chat_template_kwargs=args.chat_template_kwargs,
+                    turns=args.turns, workers=args.workers)
+        elif args.cmd == "stats":
+            stats(args.dir, args.budget, args.tokenizer, args.sample)
         else:
             make_demo(args.out, args.samples, args.val_samples, args.new_tokens, args.seed,
                       args.force)
