@@ -2353,25 +2353,36 @@ def test_divergence_is_reported(gen, monkeypatch):
     assert "DIVERGES at new token 5" in logs[0] and "NOT a near-tie: a bug" in logs[0], logs[0]
 
 
-def test_chat_prompt_is_the_prefix_before_the_answer(tmp_path):
-    """A chat prompt is exactly what `data.py prepare` writes before the first supervised token."""
-    words = ["<unk>", "system", "user", "assistant", "hi", "hello", "there", "be", "brief"]
-    tok = make_tokenizer(tmp_path / "tok.json", words=words)
-    conv = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
-            {"role": "assistant", "content": "hello there"}]
-    with open(tmp_path / "chats.jsonl", "w") as f:
-        f.write(json.dumps({"messages": conv}) + "\n\n" + json.dumps({"messages": conv[:2]}) + "\n")
-    prompts = generate.chat_prompts(tmp_path / "chats.jsonl", str(tmp_path / "tok.json"), 8)
-    encode, _ = data._chat_encoder(str(tmp_path / "tok.json"))
-    ids, mask = encode(conv)
-    first = mask.index(1)
-    assert len(prompts) == 2 and prompts[0].tolist() == prompts[1].tolist() == ids[:first]
-    text = tok.decode(ids[:first], skip_special_tokens=False)
-    assert text.replace(" ", "").endswith("<|im_start|>assistant\n"), text
+@pytest.mark.parametrize("tpl", [QWEN36, QWEN3], ids=["qwen3.6", "qwen3"])
+def test_chat_prompts_are_what_the_engine_renders(chat_dirs, tpl, tmp_path):
+    """generate.py --prompts: ids == transformers' apply_chat_template(..., add_generation_prompt=True)
+    ids with the same kwargs, a final reference answer dropped; and for a one-turn chat, exactly
+    the tokens `data.py prepare` writes before the first supervised one."""
+    d, hf = chat_dirs[tpl]
+    objs = [{"messages": CONV_THINKING}, {"messages": CONV_TOOLS[:3], "tools": WEATHER_TOOLS},
+            {"conversations": [{"from": "human", "value": "hi there"}]}, {"prompt": "what is two plus two?"}]
+    with open(tmp_path / "p.jsonl", "w") as f:
+        f.write("\n\n".join(json.dumps(o) for o in objs) + "\n")
+    for kw in ({}, {"enable_thinking": False}):
+        prompts = generate.chat_prompts(tmp_path / "p.jsonl", d, 8, kw)
+        want = [CONV_THINKING[:4], CONV_TOOLS[:3], [{"role": "user", "content": "hi there"}],
+                [{"role": "user", "content": "what is two plus two?"}]]
+        assert len(prompts) == 4
+        for p, msgs, o in zip(prompts, want, objs):
+            text = hf_render(hf, msgs, o.get("tools"), kw, gen=True)
+            assert p.tolist() == hf(text, add_special_tokens=False).input_ids
+        ids, mask = data.Chat(d, kw).samples({"messages": CONV_OFF[:2]})[0][0]
+        first = int(mask.argmax())
+        with open(tmp_path / "one.jsonl", "w") as f:
+            f.write(json.dumps({"messages": CONV_OFF[:2]}) + "\n")
+        p, = generate.chat_prompts(tmp_path / "one.jsonl", d, 8, kw)
+        assert p.tolist() == ids[:first].tolist()
     with open(tmp_path / "bad.jsonl", "w") as f:
-        f.write('{"prompt": "hi"}\n')
-    with pytest.raises(SystemExit, match="bad.jsonl:1"):
-        generate.chat_prompts(tmp_path / "bad.jsonl", str(tmp_path / "tok.json"), 8)
+        f.write('{"prompt": "hi"}\n{"messages": [{"role": "robot", "content": "x"}]}\n')
+    with pytest.raises(SystemExit, match="bad.jsonl:2: unknown role"):
+        generate.chat_prompts(tmp_path / "bad.jsonl", d, 8)
+    with pytest.raises(SystemExit, match="has no chat template"):
+        generate.chat_prompts(tmp_path / "bad.jsonl", tmp_path, 8)
 
 
 # target checkpoints as users have them: RoPE scaling (yarn, linear) in both config spellings,
