@@ -10,13 +10,15 @@ A dataset is a directory of flat arrays, memory-mapped on open so a 100 GB corpu
                    rest, so a directory that has it is complete.
 
 Commands (python data.py <cmd> -h lists every flag):
-    python data.py prepare --input chats.jsonl --tokenizer tokenizer.json --out data/mine --val 1000
+    python data.py prepare --input answers.jsonl --tokenizer /ckpt/Qwen3.6-27B --out data/mine \
+        --chat-template-kwargs '{"enable_thinking": true}' --val 1000 --workers 16
+    python data.py stats data/mine --budget 8192
     python data.py demo --out data/demo
-Both write DIR/train and (with a held-out split) DIR/val. open_dataset(DIR) picks DIR/train.
-A JSONL line is {"input_ids": [...], "loss_mask": [...]} (mask optional, default all ones) or
-{"messages": [{"role": "user", "content": "..."}, ...]}. The second is rendered in the Qwen
-chat format and needs --tokenizer. Its loss mask covers each assistant answer plus that
-answer's <|im_end|>.
+prepare and demo write DIR/train and (with a held-out split) DIR/val. open_dataset(DIR) picks
+DIR/train. A JSONL line is {"input_ids": [...], "loss_mask": [...]} (mask optional, default all
+ones), or a chat: {"messages": [...], "tools": [...]} (OpenAI format; ShareGPT "conversations"
+too), rendered by the checkpoint's own chat template as the serving engine renders it (class Chat),
+with the loss mask on exactly the tokens the target generated.
 """
 import argparse
 import hashlib
