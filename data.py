@@ -10,7 +10,7 @@ A dataset is a directory of flat arrays, memory-mapped on open so a 100 GB corpu
                    rest, so a directory that has it is complete.
 
 Commands (python data.py <cmd> -h lists every flag):
-    python data.py prepare --input answers.jsonl --tokenizer /ckpt/Qwen3.6-27B --out data/mine \
+    python data.py prepare --input answers.jsonl --tokenizer /ckpt/Qwen3.6-27B --out data/mine \\
         --chat-template-kwargs '{"enable_thinking": true}' --val 1000 --workers 16
     python data.py stats data/mine --budget 8192
     python data.py demo --out data/demo
