@@ -587,5 +587,6 @@ elif args.what == "prepare":
         with open(os.path.join(out, "train", "meta.json")) as f:
             n = json.load(f)["n_tokens"]
         peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss >> 10
-        print(f"| {w} | {dt:.1f} | {n} | {n / dt / 1e6:.2f} | {os.path.getsize(src) / 2**20 / dt:.1f}"
-              f" | {3e9 / (n / dt) / 3600:.2f} | {peak} |")
+        mb = os.path.getsize(src) / 2**20
+        print(f"| {w} | {dt:.1f} | {n} | {n / dt / 1e6:.2f} | {mb / dt:.1f} | "
+              f"{3e9 / (n / dt) / 3600:.2f} | {peak} |")

@@ -335,7 +335,8 @@ def _jinja_env(jinja2):
         def parse(self, parser):
             lineno = next(parser.stream).lineno
             body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
-            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+            call = jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body)
+            return call.set_lineno(lineno)
 
         def _body(self, caller):
             return caller()
@@ -367,32 +368,32 @@ def _template_messages(msgs):
         m = dict(m)
         calls = m.get("tool_calls")
         if m["role"] == "assistant" and isinstance(calls, list):
+            m["tool_calls"] = [_parsed_call(c, i, j) for j, c in enumerate(calls)]
             if not calls:
                 del m["tool_calls"]
-            m_calls = []
-            for j, call in enumerate(calls):
-                if not isinstance(call, dict):
-                    raise _Bad("bad tool call", f"message {i} tool call {j} is not an object")
-                call = dict(call)
-                fn = call["function"] = dict(call["function"]) if isinstance(
-                    call.get("function"), dict) else call   # flat {"name", "arguments"} too
-                args = fn.get("arguments")
-                if isinstance(args, str) and args.strip():
-                    try:
-                        args = json.loads(args)
-                    except ValueError as e:
-                        raise _Bad("bad tool arguments", f"message {i} tool call {j}: "
-                                   f"arguments are not JSON ({e})")
-                fn["arguments"] = {} if args is None or args == "" else args
-                m_calls.append(call)
-            if m_calls:
-                m["tool_calls"] = m_calls
         r = next((m[k] for k in ("reasoning_content", "thinking", "reasoning")
                   if m.get(k) is not None), None)
         if r is not None:
             m = {"thinking": r, **m, "reasoning_content": r}
         out.append(m)
     return out
+
+def _parsed_call(call, i, j):
+    if not isinstance(call, dict):
+        raise _Bad("bad tool call", f"message {i} tool call {j} is not an object")
+    call = dict(call)
+    fn = call  # {"function": {"name", "arguments"}}, or flat {"name", "arguments"}: both render
+    if isinstance(call.get("function"), dict):
+        fn = call["function"] = dict(call["function"])
+    args = fn.get("arguments")
+    if isinstance(args, str) and args.strip():
+        try:
+            args = json.loads(args)
+        except ValueError as e:
+            raise _Bad("bad tool arguments", f"message {i} tool call {j}: arguments are not "
+                       f"JSON ({e})")
+    fn["arguments"] = {} if args is None or args == "" else args
+    return call
 
 def _answer_parts(m):
     """(reasoning, [text pieces]) a rendered assistant turn must contain. Inline thinking is the
@@ -868,7 +869,8 @@ def _kwargs_arg(s):  # --chat-template-kwargs: a JSON object
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"not JSON ({e})")
     if not isinstance(v, dict):
-        raise argparse.ArgumentTypeError("must be a JSON object, e.g. '{\"enable_thinking\": false}'")
+        raise argparse.ArgumentTypeError("must be a JSON object, e.g. "
+                                         "'{\"enable_thinking\": false}'")
     return v
 
 def main(argv=None):

@@ -1559,7 +1559,8 @@ def test_chat_bad_lines(tmp_path):
     for k, (o, _, _) in bad.items():
         lines[k - 1] = o
     write_jsonl(tmp_path / "in.jsonl", lines)
-    r = cli("prepare", "--input", tmp_path / "in.jsonl", "--out", tmp_path / "d", "--tokenizer", d, "--max-bad", 0.5)
+    r = cli("prepare", "--input", tmp_path / "in.jsonl", "--out", tmp_path / "d", "--tokenizer", d, "--max-bad", 0.5,
+            "--workers", 2)
     assert r.returncode == 0, r.stderr + r.stdout
     for k, (_, kind, detail) in bad.items():
         line = next(l for l in r.stdout.splitlines() if l.startswith(f"{tmp_path / 'in.jsonl'}:{k}: "))
