@@ -573,11 +573,14 @@ elif args.what == "prepare":
         os.rename(src + ".tmp", src)
     print(f"data.py prepare, {os.path.getsize(src) / 2**20:.0f} MB of chat JSONL ({src}), "
           f"--tokenizer {args.tokenizer} | {os.cpu_count()} CPUs | {time.strftime('%Y-%m-%d')}")
-    print("| --workers | seconds | tokens | M tokens/s | MB/s of JSONL | hours per 3B tokens | "
-          "peak MB of one process so far |\n|---|---|---|---|---|---|---|")
+    # M tokens per CPU-second: all processes' CPU time, which a loaded machine does not inflate
+    print("| --workers | seconds | tokens | M tokens/s | M tokens per CPU-s | MB/s of JSONL | "
+          "hours per 3B tokens | peak MB of one process so far |\n" + "|---" * 8 + "|")
     for w in map(int, args.prep_workers.split(",")):
         # the command itself, in a fresh process: its peak memory is the largest of any process
         out = os.path.join(args.out, f"prepared-{w}")
+        ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu0 = ru.ru_utime + ru.ru_stime
         t0 = time.perf_counter()
         subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                      "data.py"), "prepare", "--input", src,
@@ -586,7 +589,8 @@ elif args.what == "prepare":
         dt = time.perf_counter() - t0
         with open(os.path.join(out, "train", "meta.json")) as f:
             n = json.load(f)["n_tokens"]
-        peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss >> 10
+        ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu, peak = ru.ru_utime + ru.ru_stime - cpu0, ru.ru_maxrss >> 10
         mb = os.path.getsize(src) / 2**20
-        print(f"| {w} | {dt:.1f} | {n} | {n / dt / 1e6:.2f} | {mb / dt:.1f} | "
-              f"{3e9 / (n / dt) / 3600:.2f} | {peak} |")
+        print(f"| {w} | {dt:.1f} | {n} | {n / dt / 1e6:.2f} | {n / cpu / 1e6:.3f} | "
+              f"{mb / dt:.1f} | {3e9 / (n / dt) / 3600:.2f} | {peak} |")
