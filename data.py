@@ -789,6 +789,8 @@ def stats(path, budget=8192, tokenizer=None, show=0, log=print):
             f"length) | rendered with {chat['template']}, kwargs {json.dumps(chat['kwargs'])}")
     if show is None:
         return
+    if not 0 <= show < len(ds):
+        raise DataError(f"--sample {show}: {ds.path} has samples 0..{len(ds) - 1}")
     ids, mask = ds.sample(show)
     tokenizer = tokenizer or (chat or {}).get("tokenizer")
     tok = None
