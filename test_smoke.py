@@ -1539,6 +1539,13 @@ def test_chat_setup_errors(tmp_path):
     r = cli("prepare", "--input", tmp_path / "chat.jsonl", "--out", tmp_path / "d", "--tokenizer", d,
             "--chat-template-kwargs", "[1]")
     assert r.returncode == 2 and "--chat-template-kwargs" in r.stderr
+    for pkg in ("jinja2", "tokenizers"):  # not installed: one line saying how to install it
+        code = (f"import sys; sys.modules[{pkg!r}] = None; sys.path.insert(0, {HERE!r}); import data; "
+                f"data.main(['prepare', '--input', {str(tmp_path / 'chat.jsonl')!r}, '--out', "
+                f"{str(tmp_path / 'd')!r}, '--tokenizer', {str(d)!r}])")
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        assert r.returncode == 1 and r.stderr.strip() == (f"error: data.py prepare --tokenizer needs the {pkg} "
+                                                          f"package: pip install {pkg}"), r.stderr
 
 
 def test_chat_bad_lines(tmp_path):
