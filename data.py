@@ -10,20 +10,26 @@ A dataset is a directory of flat arrays, memory-mapped on open so a 100 GB corpu
                    rest, so a directory that has it is complete.
 
 Commands (python data.py <cmd> -h lists every flag):
-    python data.py prepare --input chats.jsonl --tokenizer tokenizer.json --out data/mine --val 1000
+    python data.py prepare --input answers.jsonl --tokenizer /ckpt/Qwen3.6-27B --out data/mine \\
+        --chat-template-kwargs '{"enable_thinking": true}' --val 1000 --workers 16
+    python data.py stats data/mine --budget 8192
     python data.py demo --out data/demo
-Both write DIR/train and (with a held-out split) DIR/val. open_dataset(DIR) picks DIR/train.
-A JSONL line is {"input_ids": [...], "loss_mask": [...]} (mask optional, default all ones) or
-{"messages": [{"role": "user", "content": "..."}, ...]}. The second is rendered in the Qwen
-chat format and needs --tokenizer. Its loss mask covers each assistant answer plus that
-answer's <|im_end|>.
+prepare and demo write DIR/train and (with a held-out split) DIR/val. open_dataset(DIR) picks
+DIR/train. A JSONL line is {"input_ids": [...], "loss_mask": [...]} (mask optional, default all
+ones), or a chat: {"messages": [...], "tools": [...]} (OpenAI format; ShareGPT "conversations"
+too), rendered by the checkpoint's own chat template as the serving engine renders it (class Chat),
+with the loss mask on exactly the tokens the target generated.
 """
 import argparse
+import hashlib
+import importlib
 import json
 import os
 import shutil
 import sys
 import time
+from collections import Counter, deque
+from datetime import datetime
 from typing import NamedTuple
 
 import numpy as np
@@ -305,41 +311,278 @@ def conversation(obj):
     # transformers' apply_chat_template drops keys whose value is None before rendering
     return [{k: v for k, v in m.items() if v is not None} for m in msgs]
 
-def _chat_encoder(path):
-    """Qwen chat format, tokenized per piece, so we know exactly which tokens are the answers'."""
-    from tokenizers import Tokenizer  # only the chat path needs it
-    if not os.path.isfile(path):
-        raise DataError(f"tokenizer file {path} not found")
-    tok = Tokenizer.from_file(path)
-    special = []
-    for s in ("<|im_start|>", "<|im_end|>"):
-        ids = tok.encode(s, add_special_tokens=False).ids
-        if len(ids) != 1 or tok.token_to_id(s) != ids[0]:
-            raise DataError(f"{path}: {s} is not a single special token of this tokenizer "
-                            f"(it encodes to {ids}); "
-                            "chat-format JSONL needs a Qwen-style tokenizer.json")
-        special.append(ids[0])
-    start, end = special
-    nl = tok.encode("\n", add_special_tokens=False).ids
+# -----------------------------------------------------------------------------
+# chat lines: the checkpoint's own template, rendered the way the serving engine renders it, and a
+# loss mask on exactly what the target generated
 
-    def encode(messages):  # <|im_start|>{role}\n{content}<|im_end|>\n per message
-        pieces = [s for m in messages for s in (f"{m['role']}\n", m["content"])]
-        enc = tok.encode_batch(pieces, add_special_tokens=False)
-        ids, mask = [], []
-        for m, head, body in zip(messages, enc[0::2], enc[1::2]):
-            # supervise the answer and its <|im_end|>, not the header
-            a = int(m["role"] == "assistant")
-            ids += [start, *head.ids, *body.ids, end, *nl]
-            mask += [0] * (1 + len(head.ids)) + [a] * (len(body.ids) + 1) + [0] * len(nl)
-        return ids, mask
-    return encode, tok.get_vocab_size(with_added_tokens=True)
+def _package(name, cmd):
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        raise DataError(f"{cmd} needs the {name} package: pip install {name}")
 
-def _parse(line, bound, chat, where):
-    """One JSONL line -> (ids, mask) arrays, or _Bad(kind, detail)."""
+def _jinja_env(jinja2):
+    """The environment of transformers' apply_chat_template (v5.24,
+    transformers/utils/chat_template_utils.py), which SGLang and vLLM render templates with."""
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(jinja2.ext.Extension):
+        # {% generation %}...{% endgeneration %} marks assistant text for transformers' own masks;
+        # it renders its body unchanged
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
+            call = jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body)
+            return call.set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # not jinja's own tojson, which escapes HTML characters
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[Generation, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+def _template_messages(msgs):
+    """Messages as the engine hands them to the template. Tool-call arguments arrive as a JSON
+    string (OpenAI wire format) and templates iterate them as a mapping, so they are parsed first,
+    as vLLM does (vllm/entrypoints/chat_utils.py, _postprocess_messages: an empty list of calls is
+    dropped, missing or empty arguments become {}) and SGLang (serving_chat.py) does. Then the
+    reasoning aliases of transformers 5.24 (_alias_reasoning_fields): the first of
+    reasoning_content, thinking, reasoning is passed under reasoning_content and thinking."""
+    out = []
+    for i, m in enumerate(msgs):
+        m = dict(m)
+        calls = m.get("tool_calls")
+        if m["role"] == "assistant" and isinstance(calls, list):
+            m["tool_calls"] = [_parsed_call(c, i, j) for j, c in enumerate(calls)]
+            if not calls:
+                del m["tool_calls"]
+        r = next((m[k] for k in ("reasoning_content", "thinking", "reasoning")
+                  if m.get(k) is not None), None)
+        if r is not None:
+            m = {"thinking": r, **m, "reasoning_content": r}
+        out.append(m)
+    return out
+
+def _parsed_call(call, i, j):
+    if not isinstance(call, dict):
+        raise _Bad("bad tool call", f"message {i} tool call {j} is not an object")
+    call = dict(call)
+    fn = call  # {"function": {"name", "arguments"}}, or flat {"name", "arguments"}: both render
+    if isinstance(call.get("function"), dict):
+        fn = call["function"] = dict(call["function"])
+    args = fn.get("arguments")
+    if isinstance(args, str) and args.strip():
+        try:
+            args = json.loads(args)
+        except ValueError as e:
+            raise _Bad("bad tool arguments", f"message {i} tool call {j}: arguments are not "
+                       f"JSON ({e})")
+    fn["arguments"] = {} if args is None or args == "" else args
+    return call
+
+def _answer_parts(m):
+    """(reasoning, [text pieces]) a rendered assistant turn must contain. Inline thinking is the
+    <think>...</think> convention of the engines' reasoning parsers (vLLM, SGLang)."""
+    c = m.get("content")
+    pieces = [c] if isinstance(c, str) else [p["text"] for p in c or () if isinstance(p, dict)
+                                            and isinstance(p.get("text"), str)]
+    r = m.get("reasoning_content")
+    if not isinstance(r, str):
+        r = ""
+        for k, p in enumerate(pieces):
+            if "</think>" in p:
+                r, pieces[k] = p.split("</think>")[0].split("<think>")[-1], p.split("</think>")[-1]
+    return r.strip(), [p.strip() for p in pieces if p.strip()]
+
+class Chat:
+    """A checkpoint's chat template and tokenizer.json, applied as a serving engine applies them:
+    the template rendered in transformers' jinja environment with the tokenizer's special-token
+    strings (tokenizer_config.json) and the user's --chat-template-kwargs as variables, the text
+    tokenized with tokenizer.json adding no special tokens (transformers' apply_chat_template does
+    tokenizer(text, add_special_tokens=False))."""
+
+    def __init__(self, path, kwargs=None, cmd="data.py prepare --tokenizer"):
+        jinja2 = _package("jinja2", cmd)
+        tokenizers = _package("tokenizers", cmd)
+        if tuple(int(x) for x in jinja2.__version__.split(".")[:3] if x.isdigit()) < (3, 1, 6):
+            # older versions have sandbox escapes, and templates are code from the Hub
+            raise DataError(f"{cmd} needs jinja2>=3.1.6 (have {jinja2.__version__}): "
+                            "pip install -U jinja2")
+        if not os.path.isdir(path):
+            raise DataError(f"--tokenizer {path} is not a directory: pass the checkpoint (or "
+                            "tokenizer) directory that holds tokenizer.json and the chat template")
+        cfg_path = os.path.join(path, "tokenizer_config.json")
+        gen_path = os.path.join(path, "generation_config.json")
+        cfg, gen = ({}, {})
+        for name, into in ((cfg_path, cfg), (gen_path, gen)):
+            if os.path.isfile(name):
+                try:
+                    with open(name) as f:
+                        into.update(json.load(f))
+                except ValueError as e:
+                    raise DataError(f"{name} is not valid JSON ({e})")
+        # chat_template.jinja wins over tokenizer_config.json, as in transformers' loader
+        self.source = os.path.join(path, "chat_template.jinja")
+        if os.path.isfile(self.source):
+            with open(self.source) as f:
+                text = f.read()
+        else:
+            text, self.source = cfg.get("chat_template"), cfg_path
+            if isinstance(text, list):  # [{"name", "template"}, ...]: transformers uses "default"
+                text = {t.get("name"): t.get("template") for t in text}.get("default")
+        if not isinstance(text, str):
+            raise DataError(f"{path} has no chat template: neither chat_template.jinja nor a "
+                            "\"chat_template\" in tokenizer_config.json")
+        tok_file = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(tok_file):
+            raise DataError(f"{path} has no tokenizer.json (the fast tokenizer file that the "
+                            "chat lines are tokenized with)")
+        self.path, self.kwargs = os.path.abspath(path), dict(kwargs or {})
+        self.sha256 = hashlib.sha256(text.encode()).hexdigest()
+        try:
+            self.template = _jinja_env(jinja2).from_string(text)
+        except jinja2.TemplateError as e:
+            raise DataError(f"{self.source}: the chat template does not compile: {e}")
+        self.tok = tokenizers.Tokenizer.from_file(tok_file)
+        self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+        # template variables: the named special tokens (an AddedToken is a dict with a "content"),
+        # as transformers' special_tokens_map, then the user's kwargs over them
+        extra = cfg.get("extra_special_tokens")
+        named = {**(extra if isinstance(extra, dict) else {}),
+                 **{k: v for k, v in cfg.items() if k.endswith("_token")}}
+        named = {k: v["content"] if isinstance(v, dict) else v for k, v in named.items()
+                 if isinstance(v, str) or isinstance(v, dict) and isinstance(v.get("content"), str)}
+        self.variables = {**named, **self.kwargs}
+        # end of a turn: generation_config.json's eos ids (what the engine stops at) and the
+        # tokenizer's eos_token
+        eos = gen.get("eos_token_id")
+        eos = [eos] if isinstance(eos, int) else list(eos or [])
+        eos.append(self.tok.token_to_id(named.get("eos_token", "")))
+        self.eos = np.array(sorted({e for e in eos if isinstance(e, int)}), np.int64)
+
+    def render(self, msgs, tools=None, add_generation_prompt=False):
+        try:
+            return self.template.render(messages=msgs, tools=tools, documents=None,
+                                        add_generation_prompt=add_generation_prompt,
+                                        **self.variables)
+        except Exception as e:  # raise_exception, or the template tripping over this sample
+            detail = str(e).splitlines()[0] if str(e) else ""
+            raise _Bad("template error", f"rendering messages[:{len(msgs)}]: "
+                       f"{type(e).__name__}: {detail}")
+
+    def encode(self, text):
+        """ids [T] int64, and each token's character span [T] start, [T] end in text."""
+        enc = self.tok.encode(text, add_special_tokens=False)
+        off = np.asarray(enc.offsets, np.int64).reshape(-1, 2)  # [T, 2]
+        return np.asarray(enc.ids, np.int64), off[:, 0], off[:, 1]
+
+    def prompt(self, obj):
+        """A JSONL object's prompt ids as the engine feeds them to the target: a trailing
+        assistant message (a reference answer) dropped, the generation prompt added."""
+        msgs = conversation(obj)
+        if msgs[-1]["role"] == "assistant":
+            msgs = msgs[:-1]
+        if not msgs:
+            raise _Bad("no prompt", "the only message is an assistant answer")
+        return self.encode(self.render(_template_messages(msgs), _tools(obj), True))[0]
+
+    def samples(self, obj, turns="all"):
+        """A JSONL conversation -> ([(ids, mask), ...], counts, notes). Assistant turn i is
+        supervised from the end of P = render(messages[:i], add_generation_prompt=True), the
+        prompt the engine gave the target, through the first end-of-turn token of
+        U = render(messages[:i+1]). P must be a prefix of U, else the turn is not what serving
+        produces (counted, skipped). A turn rides in the sample of the whole conversation when U is
+        a prefix of it; a turn the template renders differently once later turns exist (Qwen drops
+        earlier thinking) gets a sample of its own, U. turns="last": only the final assistant turn.
+        Raises _Bad."""
+        msgs, tools = _template_messages(conversation(obj)), _tools(obj)
+        idx = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+        if not idx:
+            raise _Bad("no assistant turn", "nothing to train on")
+        if turns == "last":
+            idx = idx[-1:]
+        n, notes = Counter(assistant_turns=len(idx)), []
+        texts, spans = [self.render(msgs[:idx[-1] + 1], tools)], [[]]
+        for i in reversed(idx):
+            prompt = self.render(msgs[:i], tools, True)
+            turn = texts[0] if i == idx[-1] else self.render(msgs[:i + 1], tools)
+            if not turn.startswith(prompt):
+                n["not_as_served"] += 1
+                k = len(os.path.commonprefix([prompt, turn]))
+                notes.append(("not as served", f"turn {i}: the generation prompt goes on "
+                              f"{prompt[k:k + 20]!r} where the turn has {turn[k:k + 20]!r} (e.g. "
+                              "reasoning with thinking off: check --chat-template-kwargs)"))
+                continue
+            k = next((k for k, t in enumerate(texts) if t.startswith(turn)), None)
+            if k is None:
+                texts.append(turn)
+                spans.append([])
+                k = len(texts) - 1
+                n["own_sample"] += 1
+            spans[k].append((len(prompt), len(turn), i))
+        if not any(spans):
+            raise _Bad("not as served", notes[0][1])
+        out = []
+        for text, sp in reversed(list(zip(texts, spans))):  # conversation order
+            if sp:
+                out.append(self._mask(text, sp, msgs, n, notes))
+        return out, n, notes
+
+    def _mask(self, text, spans, msgs, n, notes):
+        ids, a, b = self.encode(text)
+        mask, eos = np.zeros(len(ids), bool), np.isin(ids, self.eos)
+        for s, lim, i in spans:
+            stop = np.flatnonzero((a >= s) & (b <= lim) & eos)
+            e = int(b[stop[0]]) if len(stop) else lim
+            inside = (a >= s) & (b <= e)
+            mask |= inside
+            # a token the BPE merged across the prompt's end belongs to neither: unsupervised
+            n["straddle"] += int(((a < s) & (b > s)).sum())
+            answer, m = text[s:e], msgs[i]
+            r, pieces = _answer_parts(m)
+            lost = [x for x in [r] * bool(r) + pieces if x not in answer]
+            if lost:
+                n["not_intact"] += 1
+                notes.append(("not intact", f"turn {i}: {lost[0][:40]!r} is not in the "
+                              "supervised text"))
+            think = np.zeros(len(ids), bool)
+            if r and (p := answer.find(r)) >= 0:
+                think = inside & (a >= s + p) & (a < s + p + len(r))
+            n["thinking_tokens"] += int(think.sum())
+            n["answer_tokens"] += int((inside & ~think).sum())
+            n["length"] += m.get("finish_reason") == "length"
+            n["trained"] += 1
+        return ids, mask.astype(np.uint8)
+
+def _tools(obj):
+    tools = obj.get("tools")
+    if tools is not None and not (isinstance(tools, list)
+                                  and all(isinstance(t, dict) for t in tools)):
+        raise _Bad("bad tools", '"tools" must be a list of JSON schema objects')
+    return tools
+
+def _parse(line, bound, chat, where, turns="all"):
+    """One JSONL line -> ([(ids, mask), ...], counts, notes), or _Bad(kind, detail)."""
     try:
         obj = json.loads(line)
     except ValueError as e:
         raise _Bad("malformed JSON", str(e))
+    counts, notes = {}, []
     if isinstance(obj, dict) and "input_ids" in obj:
         # ragged or huge values make numpy raise; strings, floats and nesting are caught just below
         try:
@@ -354,33 +597,82 @@ def _parse(line, bound, chat, where):
                        f"{mask.size} mask values for {len(ids)} input_ids")
         if not np.isin(mask, (0, 1)).all():
             raise _Bad("bad loss_mask", "values must be 0 or 1")
-    elif isinstance(obj, dict) and "messages" in obj:
+        samples = [(ids, mask)]
+    elif isinstance(obj, dict) and any(k in obj for k in ("messages", "conversations", "prompt")):
         if chat is None:  # a setup error, not a bad line: stop at once rather than skip every line
-            raise DataError(f"{where}: chat-format line (\"messages\") needs "
-                            "--tokenizer tokenizer.json")
-        msgs = obj["messages"]
-        if not (isinstance(msgs, list) and msgs
-                and all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                        and isinstance(m.get("content"), str) for m in msgs)):
-            raise _Bad("bad messages", 'need a non-empty list of {"role": str, "content": str}')
-        ids, mask = map(np.asarray, chat(msgs))
+            raise DataError(f"{where}: a chat line needs --tokenizer DIR (the checkpoint "
+                            "directory with tokenizer.json and the chat template)")
+        samples, counts, notes = chat.samples(obj, turns)
     else:
         raise _Bad("neither input_ids nor messages",
                    "a line must be an object with \"input_ids\" or \"messages\"")
-    if ids.min() < 0 or ids.max() >= bound:
-        bad = ids[(ids < 0) | (ids >= bound)][0]
-        raise _Bad("token id out of range", f"id {bad} not in [0, {bound})")
-    if not mask.any():
-        raise _Bad("no supervised token", "loss mask is all zero (no assistant turn?)")
-    return ids, mask
+    for ids, mask in samples:
+        if ids.min() < 0 or ids.max() >= bound:
+            bad = ids[(ids < 0) | (ids >= bound)][0]
+            raise _Bad("token id out of range", f"id {bad} not in [0, {bound})")
+        if not mask.any():
+            raise _Bad("no supervised token", "loss mask is all zero (no assistant turn?)")
+    return samples, counts, notes
+
+# workers: each process builds its own Chat once; the parent reads the file and writes the output
+_worker = {}
+
+def _init_worker(tokenizer, kwargs, bound, where, turns):
+    _worker.update(chat=Chat(tokenizer, kwargs) if tokenizer else None, bound=bound,
+                   where=where, turns=turns)
+
+def _work(chunk):
+    out = []
+    for lineno, line in chunk:
+        try:
+            out.append((lineno, _parse(line, _worker["bound"], _worker["chat"],
+                                       f"{_worker['where']}:{lineno}", _worker["turns"])))
+        except _Bad as e:
+            out.append((lineno, e))
+    return out
+
+def _processed(chunks, workers, init_args):
+    """work(chunk) for every chunk, in order; with workers > 1 in a process pool holding at most
+    2 chunks per worker in flight, so memory stays flat whatever the file size."""
+    if workers <= 1:
+        _init_worker(*init_args)
+        for chunk in chunks:
+            yield from _work(chunk)
+        return
+    import multiprocessing
+    with multiprocessing.Pool(workers, _init_worker, init_args) as pool:
+        pending = deque()
+        for chunk in chunks:
+            pending.append(pool.apply_async(_work, (chunk,)))
+            if len(pending) >= 2 * workers:
+                yield from pending.popleft().get()
+        while pending:
+            yield from pending.popleft().get()
+
+def _chunks(f, blank, size=64):
+    chunk = []
+    for lineno, line in enumerate(f, 1):
+        if not line.strip():
+            blank[0] += 1
+            continue
+        chunk.append((lineno, line))
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+CHAT_COUNTS = ("assistant_turns", "trained", "own_sample", "not_as_served", "not_intact", "length",
+               "straddle", "thinking_tokens", "answer_tokens")
 
 def prepare(input, out, tokenizer=None, val=None, vocab_size=None, force=False, max_bad=0.01,
-            log=print):
-    """JSONL -> out/train and, if val (a count >= 1 or a fraction in (0, 1)) is given, out/val."""
+            log=print, chat_template_kwargs=None, turns="all", workers=1):
+    """JSONL -> out/train and, if val (a count >= 1 or a fraction in (0, 1)) is given, out/val.
+    tokenizer: a checkpoint directory (tokenizer.json + chat template) for chat lines."""
     if not os.path.isfile(input):
         raise DataError(f"input file {input} not found")
-    chat, tok_vocab = _chat_encoder(tokenizer) if tokenizer else (None, None)
-    bound = min(v for v in (vocab_size, tok_vocab, 2**32) if v)
+    chat = Chat(tokenizer, chat_template_kwargs) if tokenizer else None
+    bound = min(v for v in (vocab_size, chat and chat.vocab_size, 2**32) if v)
     n_lines = n_val = 0
     # held-out split: spread n_val lines evenly over the file, which needs its line count first
     if val:
@@ -390,35 +682,43 @@ def prepare(input, out, tokenizer=None, val=None, vocab_size=None, force=False, 
         if not 0 < n_val < n_lines:
             raise DataError(f"--val {val} selects {n_val} of the {n_lines} lines of {input}; "
                             "need at least 1 and fewer than all")
-    bad, total, blank, n_tok, t0, last, writers = {}, 0, 0, 0, time.time(), time.time(), []
+    bad, total, blank, n_tok, t0, last, writers = {}, 0, [0], 0, time.time(), time.time(), []
+    counts, noted = [Counter(), Counter()], Counter()
+    init = (tokenizer, chat_template_kwargs, bound, input, turns)
     try:
         for s in ("train", "val")[:1 + bool(n_val)]:
-            writers.append(_Writer(os.path.join(out, s), vocab_size or tok_vocab, force))
+            writers.append(_Writer(os.path.join(out, s), vocab_size or (chat and chat.vocab_size),
+                                   force))
         with open(input, "rb") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    blank += 1
-                    continue
+            # one line at a time in one process; chunks of 64 feed a pool
+            for lineno, res in _processed(_chunks(f, blank, 64 if workers > 1 else 1), workers,
+                                          init):
                 total += 1
-                try:
-                    ids, mask = _parse(line, bound, chat, f"{input}:{lineno}")
-                except _Bad as e:
-                    bad[e.args[0]] = bad.get(e.args[0], 0) + 1
-                    if bad[e.args[0]] <= 10:
-                        log(f"{input}:{lineno}: {e.args[0]}: {e.args[1]}")
+                if isinstance(res, _Bad):
+                    kind = res.args[0]
+                    bad[kind] = bad.get(kind, 0) + 1
+                    if bad[kind] <= 10:
+                        log(f"{input}:{lineno}: {kind}: {res.args[1]}")
                     continue
+                samples, c, notes = res
+                for kind, note in notes:  # turns skipped or not intact: reported, counted below
+                    noted[kind] += 1
+                    if noted[kind] <= 10:
+                        log(f"{input}:{lineno}: {kind}: {note}")
                 # line i is held out when floor(i * n_val / n_lines) steps up: exactly n_val lines
                 i = lineno - 1
                 held_out = n_val and (i + 1) * n_val // n_lines > i * n_val // n_lines
-                writers[1 if held_out else 0].add(ids, mask)
-                n_tok += len(ids)
+                counts[bool(held_out)].update(c)
+                for ids, mask in samples:
+                    writers[1 if held_out else 0].add(ids, mask)
+                    n_tok += len(ids)
                 if time.time() - last > 5:
                     last = time.time()
-                    log(f"prepare: {total - sum(bad.values())} samples | "
+                    log(f"prepare: {total - sum(bad.values())} lines | "
                         f"{n_tok / 1e6:.2f}M tokens | {n_tok / (last - t0) / 1e6:.2f}M tokens/s")
         n_bad = sum(bad.values())
-        if blank:
-            log(f"ignored {blank} blank lines")
+        if blank[0]:
+            log(f"ignored {blank[0]} blank lines")
         if n_bad:
             log(f"skipped {n_bad} of {total} lines: "
                 + ", ".join(f"{c} {k}" for k, c in bad.items()))
@@ -430,7 +730,14 @@ def prepare(input, out, tokenizer=None, val=None, vocab_size=None, force=False, 
             raise DataError(f"{input}: {n_bad} of {total} lines ({n_bad / total:.1%}) are bad, "
                             f"more than --max-bad {max_bad:g}; "
                             "fix the input, or raise --max-bad to accept the loss")
-        metas = [w.commit(source=input, split=s) for w, s in zip(writers, ("train", "val"))]
+        metas = []
+        for w, s, c in zip(writers, ("train", "val"), counts):
+            extra = {}
+            if chat:  # what made these tokens, so stats (and a reader) can tell
+                extra["chat"] = dict(tokenizer=chat.path, template=chat.source,
+                                     template_sha256=chat.sha256, kwargs=chat.kwargs, turns=turns,
+                                     **{k: c[k] for k in CHAT_COUNTS})
+            metas.append(w.commit(source=input, split=s, **extra))
     except BaseException:
         for w in writers:
             w.abort()
@@ -440,6 +747,15 @@ def prepare(input, out, tokenizer=None, val=None, vocab_size=None, force=False, 
         shutil.rmtree(os.path.join(out, "val"))
         log(f"removed the old {os.path.join(out, 'val')}")
     _summary(out, metas, t0, log)
+    if chat:
+        c = counts[0] + counts[1]
+        log(f"chat: {c['trained']} of {c['assistant_turns']} assistant turns trained "
+            f"({c['own_sample']} in a sample of their own, rendered as served), "
+            f"{c['not_as_served']} not as served (skipped), {c['not_intact']} not intact, "
+            f"{c['length']} cut by max tokens (finish_reason length), {c['straddle']} tokens "
+            f"straddling a prompt's end (unsupervised) | template {chat.source} "
+            f"(sha256 {chat.sha256[:12]}), kwargs {json.dumps(chat.kwargs)}")
+    stats(os.path.join(out, "train"), log=log, show=None)
     return metas
 
 def _summary(out, metas, t0, log):
@@ -447,6 +763,48 @@ def _summary(out, metas, t0, log):
         log(f"wrote {os.path.join(out, s)}: {m['n_samples']} samples, {m['n_tokens']} tokens "
             f"({m['n_supervised']} supervised), vocab bound {m['vocab_size']}")
     log(f"done in {time.time() - t0:.1f}s")
+
+# -----------------------------------------------------------------------------
+# stats: what the drafter will learn, before a GPU hour is spent on it
+
+def stats(path, budget=8192, tokenizer=None, show=0, log=print):
+    """Counts, length percentiles, what --budget cuts, thinking vs answer tokens; then sample `show`
+    printed back as text with the supervised spans between « and » (None: no sample)."""
+    ds = open_dataset(path)
+    L, sup = ds.lengths, int(ds.meta["n_supervised"])
+    n_tok = int(L.sum())
+    log(f"{ds.path}: {len(ds)} samples, {n_tok} tokens, {sup} supervised ({sup / n_tok:.1%})")
+    srt = np.sort(L)  # (np.percentile would do, but its import alone costs 2 MB of RSS)
+    p50, p90, p99 = (int(srt[int(q * (len(srt) - 1))]) for q in (0.5, 0.9, 0.99))
+    log(f"tokens per sample: p50 {p50}, p90 {p90}, p99 {p99}, max {srt[-1]}")
+    long = np.flatnonzero(L > budget)
+    cut = sum(int(ds.loss_mask[ds.offsets[i] + budget:ds.offsets[i + 1]].sum()) for i in long)
+    log(f"--budget {budget}: {len(long)} samples ({len(long) / len(ds):.1%}) are longer; the cut "
+        f"drops {cut} supervised tokens ({cut / max(sup, 1):.1%})")
+    chat = ds.meta.get("chat")
+    if chat:
+        t, a = chat["thinking_tokens"], chat["answer_tokens"]
+        log(f"supervised: {t} thinking tokens ({t / max(t + a, 1):.1%}), {a} answer tokens; "
+            f"{chat['length']} of {chat['trained']} turns cut by max tokens (finish_reason "
+            f"length) | rendered with {chat['template']}, kwargs {json.dumps(chat['kwargs'])}")
+    if show is None:
+        return
+    if not 0 <= show < len(ds):
+        raise DataError(f"--sample {show}: {ds.path} has samples 0..{len(ds) - 1}")
+    ids, mask = ds.sample(show)
+    tokenizer = tokenizer or (chat or {}).get("tokenizer")
+    tok = None
+    if tokenizer and os.path.isfile(os.path.join(tokenizer, "tokenizer.json")):
+        tok = _package("tokenizers", "data.py stats").Tokenizer.from_file(
+            os.path.join(tokenizer, "tokenizer.json"))
+    edges = np.flatnonzero(np.diff(mask.astype(np.int8))) + 1
+    text = ""
+    for run in np.split(np.arange(len(ids)), edges):
+        piece = (tok.decode(ids[run].tolist(), skip_special_tokens=False) if tok
+                 else " ".join(map(str, ids[run].tolist())))
+        text += f"«{piece}»" if mask[run[0]] else piece
+    log(f"sample {show}: {len(ids)} tokens, {int(mask.sum())} supervised, between « and »"
+        f"{'' if tok else ' (token ids: no tokenizer; pass --tokenizer DIR)'}:\n{text}")
 
 # -----------------------------------------------------------------------------
 # demo: the default dataset, made the DFlash way at toy scale
@@ -510,6 +868,16 @@ def _val_arg(s):  # --val: a number of lines (>= 1) or a fraction of them in (0,
                                          "or a fraction in (0, 1)")
     return v if v < 1 else int(v)
 
+def _kwargs_arg(s):  # --chat-template-kwargs: a JSON object
+    try:
+        v = json.loads(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e})")
+    if not isinstance(v, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object, e.g. "
+                                         "'{\"enable_thinking\": false}'")
+    return v
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -520,7 +888,20 @@ def main(argv=None):
     p.add_argument("--out", required=True,
                    help="output directory; gets train/ and, with --val, val/")
     p.add_argument("--tokenizer", default=None,
-                   help="HF tokenizer.json, needed for \"messages\" lines")
+                   help="checkpoint (or tokenizer) directory: its tokenizer.json and chat template "
+                   "(chat_template.jinja or tokenizer_config.json) render the chat lines, as the "
+                   "serving engine does; needed for chat lines")
+    p.add_argument("--chat-template-kwargs", type=_kwargs_arg, default={},
+                   help="JSON object of template variables, as the engine's chat_template_kwargs: "
+                   "e.g. '{\"enable_thinking\": false}' or '{\"preserve_thinking\": true}'; "
+                   "use what you serve (and regenerated) with")
+    p.add_argument("--turns", choices=("all", "last"), default="all",
+                   help="assistant turns to train: all (default; each in the context serving gave "
+                   "it, turns the template renders the same later share one sample, a turn it "
+                   "re-renders gets its own) or last (the final turn only)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="processes rendering and tokenizing (the parent reads and writes, in "
+                   "order); default 1")
     p.add_argument("--val", type=_val_arg, default=None,
                    help="held-out lines: a count (e.g. 1000) or a fraction (e.g. 0.01), "
                    "spread evenly over the file; default none")
@@ -543,11 +924,22 @@ def main(argv=None):
                    help=f"greedy tokens per sample, all supervised (default {dflt[2]})")
     d.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     d.add_argument("--force", action="store_true", help="overwrite an existing demo")
+    st = sub.add_parser("stats", help="what a prepared dataset will teach: counts, lengths, "
+                        "the --budget cut, thinking vs answer tokens, one sample marked")
+    st.add_argument("dir", help="dataset directory (prepare's OUT, or OUT/train, OUT/val)")
+    st.add_argument("--budget", type=int, default=8192,
+                    help="tokens per row you will train with (default 8192)")
+    st.add_argument("--tokenizer", default=None,
+                    help="checkpoint dir to decode the sample with (default: the one prepare used)")
+    st.add_argument("--sample", type=int, default=0, help="which sample to print (default 0)")
     args = ap.parse_args(argv)
     try:
         if args.cmd == "prepare":
             prepare(args.input, args.out, args.tokenizer, args.val, args.vocab_size, args.force,
-                    args.max_bad)
+                    args.max_bad, chat_template_kwargs=args.chat_template_kwargs,
+                    turns=args.turns, workers=args.workers)
+        elif args.cmd == "stats":
+            stats(args.dir, args.budget, args.tokenizer, args.sample)
         else:
             make_demo(args.out, args.samples, args.val_samples, args.new_tokens, args.seed,
                       args.force)
