@@ -10,9 +10,12 @@ A dataset is a directory of flat arrays, memory-mapped on open so a 100 GB corpu
                    rest, so a directory that has it is complete.
 
 Commands (python data.py <cmd> -h lists every flag):
+    python data.py regenerate --input prompts.jsonl --out chats.jsonl --server localhost:30000 \
+        --model NAME     # the target's own answers, through its SGLang / vLLM server
     python data.py prepare --input chats.jsonl --tokenizer tokenizer.json --out data/mine --val 1000
     python data.py demo --out data/demo
-Both write DIR/train and (with a held-out split) DIR/val. open_dataset(DIR) picks DIR/train.
+prepare and demo write DIR/train and (with a held-out split) DIR/val. open_dataset(DIR) picks
+DIR/train.
 A JSONL line is {"input_ids": [...], "loss_mask": [...]} (mask optional, default all ones) or
 {"messages": [{"role": "user", "content": "..."}, ...]}. The second is rendered in the Qwen
 chat format and needs --tokenizer. Its loss mask covers each assistant answer plus that
@@ -718,7 +721,19 @@ def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temp
                     msgs.append(await ask(client, url, msgs, tools))
             except _Failed as e:
                 fail(lineno, e.args[0])
-                continue
+                streak[url] = streak.get(url, 0) + 1
+                if streak[url] < 2 * concurrency:
+                    continue
+                # every line failing: the server is down; its lines go to the others
+                if url not in down:
+                    down.add(url)
+                    tqdm.write(f"{url}: the last {streak[url]} lines all failed; no more "
+                               "requests go there")
+                if len(down) == len(servers):
+                    raise DataError(f"every server fails every request (last: {e.args[0]}); "
+                                    "fix them, then rerun with --resume")
+                return
+            streak[url] = 0
             keep = {k: v for k, v in obj.items()
                     if k not in ("input_line", "messages", "conversations", "prompt")}
             emit(url, json.dumps({"input_line": lineno, **keep, "messages": msgs},
@@ -771,13 +786,18 @@ def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temp
     if done:
         log(f"resuming: {len(done)} lines already in {out}, {todo} to go")
     verified, unthinking = set(servers) if not thinking else set(), {}
+    streak, down = {}, set()  # lines failed in a row, per server; servers given up on
     held = {url: [] for url in servers}
     it = jobs()
     with open(out, "a", encoding="utf-8") as outf, \
             open(failed_path, "w", encoding="utf-8") as fails, \
             tqdm(total=todo, unit="line", dynamic_ncols=True) as bar:
         t0, cpu0 = time.time(), time.process_time()
-        asyncio.run(run())
+        try:
+            asyncio.run(run())
+        except KeyboardInterrupt:
+            raise DataError(f"interrupted; the {n['lines']} lines written are kept: rerun with "
+                            "--resume to continue")
         for url, lines in held.items():  # servers that never finished an answer: nothing to judge
             if lines and unthinking.get(url):
                 raise DataError(no_thinking(url))

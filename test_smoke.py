@@ -1721,6 +1721,7 @@ class FakeOpenAI:
 
     def __init__(self, ports=1, model="tiny", **knobs):
         self.model, self.requests, self.hits = model, [], collections.Counter()
+        self.inflight = self.max_inflight = 0
         self.reasoning, self.delay, self.fail_every, self.faults = "reasoning_content", 0, 0, False
         self.__dict__.update(knobs)
         self.loop = asyncio.new_event_loop()
@@ -1770,7 +1771,10 @@ class FakeOpenAI:
         self.requests.append(req)
         k, msgs = len(self.requests), req["messages"]
         user = [m for m in msgs if m["role"] == "user"][-1]["content"]
+        self.inflight += 1
+        self.max_inflight = max(self.max_inflight, self.inflight)
         await asyncio.sleep(self.delay)
+        self.inflight -= 1
         fault = self.faults and user in ("FAIL", "BAD", "HANG", "HTML", "EMPTY") and user
         if fault == "FAIL" or (self.fail_every and k % self.fail_every == 0):
             return 500, b"application/json", b'{"object": "error", "message": "boom"}'
@@ -1983,6 +1987,14 @@ def test_regenerate_server_faults(tmp_path, fake_server):
     for i, row in rows.items():
         check_answers(row["messages"], expected([{"role": "user", "content": lines[i - 1]["prompt"]}]))
     assert read_jsonl(tmp_path / "out.failed.jsonl") == []
+    # a server failing everything is given up on after 2 x --concurrency lines in a row, not asked for every line
+    srv.fail_every, n_before = 1, len(srv.requests)
+    write_jsonl(tmp_path / "more.jsonl", [{"prompt": f"q{i}"} for i in range(40)])
+    r = regen(tmp_path / "more.jsonl", tmp_path / "more.out.jsonl", srv, "--retries", 0)
+    assert r.returncode == 1 and "every server fails every request (last: " in r.stderr
+    assert f"{url}: the last 8 lines all failed" in r.stdout
+    assert len(read_jsonl(tmp_path / "more.out.failed.jsonl")) == 8   # the rest: never asked, or cut off in flight
+    assert 8 <= len(srv.requests) - n_before < 8 + 4
 
 
 def test_regenerate_stops_without_reasoning(tmp_path, fake_server):
@@ -1999,6 +2011,25 @@ def test_regenerate_stops_without_reasoning(tmp_path, fake_server):
     rows = by_line(tmp_path / "out.jsonl")
     assert sorted(rows) == list(range(1, 31)) and not any("reasoning_content" in m for row in rows.values()
                                                              for m in row["messages"])
+
+
+def test_regenerate_overhead(tmp_path, fake_server):
+    """The client must never be what limits a real engine: exactly --concurrency requests in flight, and its own
+    cost per request against a server that answers at once. The README's figure:
+    python -m pytest -q -s test_smoke.py -k regenerate_overhead"""
+    srv = fake_server(delay=0.5)
+    write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"q{i}"} for i in range(600)])
+    r = regen(tmp_path / "in.jsonl", tmp_path / "out.jsonl", srv, concurrency=256)
+    assert r.returncode == 0, r.stderr
+    assert srv.max_inflight == 256 and len(by_line(tmp_path / "out.jsonl")) == 600
+    srv.delay = 0
+    write_jsonl(tmp_path / "fast.jsonl", [{"prompt": f"question {i}: " + "word " * 200} for i in range(3000)])
+    r = regen(tmp_path / "fast.jsonl", tmp_path / "fast.out.jsonl", srv, concurrency=256)
+    assert r.returncode == 0, r.stderr
+    rate, core, ms = re.search(r"([\d.]+) requests/s.*used (\d+)% of a CPU core, ([\d.]+) ms a request", r.stdout).groups()
+    print(f"\n[regenerate] 3000 requests, concurrency 256, instant server: {rate} requests/s, client at {core}% "
+          f"of a core, {ms} ms of client CPU a request = {1e3 / float(ms):.0f} requests/s per core")
+    assert float(ms) < 10  # a regression to per-request setup (a client, a TLS context) costs 100+ ms
 
 
 def test_regenerate_setup_errors(tmp_path, fake_server, monkeypatch):
