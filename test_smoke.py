@@ -1993,8 +1993,8 @@ def test_regenerate_server_faults(tmp_path, fake_server):
     r = regen(tmp_path / "more.jsonl", tmp_path / "more.out.jsonl", srv, "--retries", 0)
     assert r.returncode == 1 and "every server fails every request (last: " in r.stderr
     assert f"{url}: the last 8 lines all failed" in r.stdout
-    assert len(read_jsonl(tmp_path / "more.out.failed.jsonl")) == 8   # the rest: never asked, or cut off in flight
-    assert 8 <= len(srv.requests) - n_before < 8 + 4
+    # 8, plus what the other 3 workers had in flight; the rest is never asked
+    assert 8 <= len(read_jsonl(tmp_path / "more.out.failed.jsonl")) <= len(srv.requests) - n_before < 8 + 4
 
 
 def test_regenerate_stops_without_reasoning(tmp_path, fake_server):
