@@ -663,7 +663,9 @@ def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temp
                     body = json.loads(text)
                     choice = body["choices"][0]
                     msg, usage = choice["message"], body.get("usage") or {}
-                    break
+                    if isinstance(msg, dict) and isinstance(usage, dict):
+                        break
+                    raise TypeError
                 except ValueError:
                     why = f"non-JSON reply {text[:200]!r}"
                 except (KeyError, IndexError, TypeError):
@@ -749,7 +751,8 @@ def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temp
         # openai's own default limits fits whichever httpx it is built on
         limits = type(openai.DEFAULT_CONNECTION_LIMITS)(max_connections=POOL,
                                                        max_keepalive_connections=POOL)
-        return openai.AsyncOpenAI(base_url=url, api_key="none", timeout=timeout, max_retries=0,
+        key = os.environ.get("OPENAI_API_KEY", "none")  # for a server started with --api-key
+        return openai.AsyncOpenAI(base_url=url, api_key=key, timeout=timeout, max_retries=0,
                                   http_client=openai.DefaultAsyncHttpxClient(limits=limits,
                                                                              verify=tls))
 
@@ -791,7 +794,8 @@ def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temp
     it = jobs()
     with open(out, "a", encoding="utf-8") as outf, \
             open(failed_path, "w", encoding="utf-8") as fails, \
-            tqdm(total=todo, unit="line", dynamic_ncols=True) as bar:
+            tqdm(total=todo, unit="line", dynamic_ncols=True,
+                 mininterval=0.1 if sys.stderr.isatty() else 10) as bar:  # a log: every 10 s
         t0, cpu0 = time.time(), time.process_time()
         try:
             asyncio.run(run())
@@ -803,7 +807,7 @@ def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temp
                 raise DataError(no_thinking(url))
             outf.writelines(lines)
     t, cpu = time.time() - t0, time.process_time() - cpu0
-    # near 100% of a core, this client would be what limits the servers: add a process per server
+    # near 100% of a core, this client is what limits the servers
     log(f"regenerate: wrote {n['lines']} lines to {out} ({n['answers']} answers, "
         f"{n['truncated']} cut at --max-tokens {max_tokens}); {n['failed']} failed, "
         f"{n['bad']} bad input lines; {n['retries']} retries; {n['tokens']} tokens in {t:.1f}s "
@@ -904,7 +908,8 @@ def main(argv=None):
     r.add_argument("--out", required=True, help="output JSONL, appended to as answers arrive; "
                    "failures go to OUT.failed.jsonl (OUT without .jsonl)")
     r.add_argument("--server", required=True, action="append",
-                   help="http://host:port[/v1] of an SGLang/vLLM server; repeat for several")
+                   help="http://host:port[/v1] of an SGLang/vLLM server; repeat for several "
+                   "(one started with --api-key: set OPENAI_API_KEY)")
     r.add_argument("--model", required=True, help="the model name the servers serve")
     r.add_argument("--concurrency", type=int, default=64, help="requests in flight per server "
                    "(default 64, SpecForge's; the engine batches them)")

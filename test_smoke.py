@@ -1910,8 +1910,12 @@ def test_regenerate_answers_every_turn(tmp_path, fake_server, field):
     assert "wrote 4 lines" in r.stdout and "6 answers, 1 cut at --max-tokens" in r.stdout
     assert "3 bad input lines" in r.stdout
     # --turns last: only the final answer, the earlier turns as the data has them
-    r = regen(tmp_path / "in.jsonl", tmp_path / "last.jsonl", srv, "--turns", "last", "--limit", 2)
+    n_before = len(srv.requests)
+    r = regen(tmp_path / "in.jsonl", tmp_path / "last.jsonl", srv, "--turns", "last", "--limit", 2,
+              "--top-p", 0.95, "--top-k", 20, "--temperature", 0.6, "--max-tokens", 99)
     assert r.returncode == 0, r.stderr
+    assert [(q["top_p"], q["top_k"], q["temperature"], q["max_tokens"], "chat_template_kwargs" in q)
+            for q in srv.requests[n_before:]] == [(0.95, 20, 0.6, 99, False)] * 2
     rows = by_line(tmp_path / "last.jsonl")
     assert sorted(rows) == [1, 2]
     for i in (1, 2):
