@@ -829,14 +829,14 @@ def _val_arg(s):  # --val: a number of lines (>= 1) or a fraction of them in (0,
                                          "or a fraction in (0, 1)")
     return v if v < 1 else int(v)
 
-def _json_object(s):  # --chat-template-kwargs
+def _kwargs_arg(s):  # --chat-template-kwargs: a JSON object
     try:
         v = json.loads(s)
     except ValueError as e:
-        raise argparse.ArgumentTypeError(f"not JSON ({e}): {s}")
+        raise argparse.ArgumentTypeError(f"not JSON ({e})")
     if not isinstance(v, dict):
-        raise argparse.ArgumentTypeError(f"need a JSON object, e.g. '{{\"enable_thinking\": "
-                                         f"false}}'; got {s}")
+        raise argparse.ArgumentTypeError("must be a JSON object, e.g. "
+                                         "'{\"enable_thinking\": false}'")
     return v
 
 REGENERATE_DOC = """\
@@ -918,7 +918,7 @@ def main(argv=None):
     r.add_argument("--temperature", type=float, default=0.7, help="default 0.7")
     r.add_argument("--top-p", type=float, default=None, help="default: not sent (server's)")
     r.add_argument("--top-k", type=int, default=None, help="default: not sent (server's)")
-    r.add_argument("--chat-template-kwargs", type=_json_object, default=None,
+    r.add_argument("--chat-template-kwargs", type=_kwargs_arg, default=None,
                    help="JSON object for the server's chat template, e.g. "
                    "'{\"enable_thinking\": false}' (default: none, the template's defaults)")
     r.add_argument("--turns", choices=("all", "last"), default="all",
