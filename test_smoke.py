@@ -2027,11 +2027,11 @@ def test_regenerate_overhead(tmp_path, fake_server):
     assert r.returncode == 0, r.stderr
     assert srv.max_inflight == 256 and len(by_line(tmp_path / "out.jsonl")) == 600
     srv.delay = 0
-    write_jsonl(tmp_path / "fast.jsonl", [{"prompt": f"question {i}: " + "word " * 200} for i in range(3000)])
+    write_jsonl(tmp_path / "fast.jsonl", [{"prompt": f"question {i}: " + "word " * 200} for i in range(2000)])
     r = regen(tmp_path / "fast.jsonl", tmp_path / "fast.out.jsonl", srv, concurrency=256)
     assert r.returncode == 0, r.stderr
     rate, core, ms = re.search(r"([\d.]+) requests/s.*used (\d+)% of a CPU core, ([\d.]+) ms a request", r.stdout).groups()
-    print(f"\n[regenerate] 3000 requests, concurrency 256, instant server: {rate} requests/s, client at {core}% "
+    print(f"\n[regenerate] 2000 requests, concurrency 256, instant server: {rate} requests/s, client at {core}% "
           f"of a core, {ms} ms of client CPU a request = {1e3 / float(ms):.0f} requests/s per core")
     assert float(ms) < 10  # a regression to per-request setup (a client, a TLS context) costs 100+ ms
 
