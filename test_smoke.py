@@ -2021,16 +2021,17 @@ def test_regenerate_overhead(tmp_path, fake_server):
     """The client must never be what limits a real engine: exactly --concurrency requests in flight, and its own
     cost per request against a server that answers at once. The README's figure:
     python -m pytest -q -s test_smoke.py -k regenerate_overhead"""
-    srv = fake_server(delay=0.5)
-    write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"q{i}"} for i in range(600)])
+    srv = fake_server(delay=1.5)  # long enough for a busy CPU to send all 256 before the first reply
+    write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"q{i}"} for i in range(512)])
     r = regen(tmp_path / "in.jsonl", tmp_path / "out.jsonl", srv, concurrency=256)
     assert r.returncode == 0, r.stderr
-    assert srv.max_inflight == 256 and len(by_line(tmp_path / "out.jsonl")) == 600
+    assert srv.max_inflight == 256 and len(by_line(tmp_path / "out.jsonl")) == 512
     srv.delay = 0
     write_jsonl(tmp_path / "fast.jsonl", [{"prompt": f"question {i}: " + "word " * 200} for i in range(2000)])
     r = regen(tmp_path / "fast.jsonl", tmp_path / "fast.out.jsonl", srv, concurrency=256)
     assert r.returncode == 0, r.stderr
-    rate, core, ms = re.search(r"([\d.]+) requests/s.*used (\d+)% of a CPU core, ([\d.]+) ms a request", r.stdout).groups()
+    summary = r"([\d.]+) requests/s.*used (\d+)% of a CPU core, ([\d.]+) ms a request"
+    rate, core, ms = re.search(summary, r.stdout).groups()
     print(f"\n[regenerate] 2000 requests, concurrency 256, instant server: {rate} requests/s, client at {core}% "
           f"of a core, {ms} ms of client CPU a request = {1e3 / float(ms):.0f} requests/s per core")
     assert float(ms) < 10  # a regression to per-request setup (a client, a TLS context) costs 100+ ms
