@@ -7,17 +7,25 @@ train.py and generate.py end to end: test_train.py.
 Run: python -m pytest -q test_smoke.py test_train.py
 Nothing here needs a GPU or the network; transformers/tokenizers are test-only dependencies.
 """
+import asyncio
+import collections
 import copy
 import dataclasses
 import functools
+import hashlib
 import importlib
 import json
 import math
 import os
 import random
+import re
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -1920,6 +1928,364 @@ def test_demo_is_the_targets_greedy_output(tmp_path):
     assert os.path.getmtime(os.path.join(out, "train", "meta.json")) == mtime
     with pytest.raises(DataError, match="already exists"):  # a different demo is not silently overwritten
         data.make_demo(tmp_path / "demo", samples=11, val_samples=3, new_tokens=20, seed=0)
+
+
+# -----------------------------------------------------------------------------
+# regenerate, against a real OpenAI-compatible HTTP server
+
+def fake_answer(user, earlier):
+    """The test server's answer: a function of the request's last user message and the assistant
+    answers before it, so a stored answer shows which exact request it came from."""
+    h = hashlib.sha1(json.dumps([user, earlier]).encode()).hexdigest()[:10]
+    return f"thought {h} about {user}", f"answer {h} to {user}"
+
+
+class FakeOpenAI:
+    """/v1/models and /v1/chat/completions on 127.0.0.1 ports (asyncio, HTTP/1.1 keep-alive, in a
+    daemon thread), replies shaped like SGLang's / vLLM's. Knobs, settable any time: reasoning (the
+    field: 'reasoning_content', 'reasoning', 'inline' for <think> in the content, or None), delay
+    (s), fail_every (every n-th chat request answers 500) and faults: user prompts FAIL (500),
+    BAD (400), HANG (no reply), HTML (a 200 that is not JSON), EMPTY (a 200 without choices)."""
+
+    def __init__(self, ports=1, model="tiny", **knobs):
+        self.model, self.requests, self.hits = model, [], collections.Counter()
+        self.inflight = self.max_inflight = 0
+        self.reasoning, self.delay, self.fail_every, self.faults = "reasoning_content", 0, 0, False
+        self.__dict__.update(knobs)
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+
+        async def start():
+            return [await asyncio.start_server(self.serve, "127.0.0.1", 0) for _ in range(ports)]
+        self.servers = asyncio.run_coroutine_threadsafe(start(), self.loop).result()
+        self.urls = [f"http://127.0.0.1:{s.sockets[0].getsockname()[1]}" for s in self.servers]
+
+    def close(self):
+        async def stop():  # connections too (a HANG reply still waits), so nothing is left pending
+            for s in self.servers:
+                s.close()
+            tasks = asyncio.all_tasks() - {asyncio.current_task()}
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        asyncio.run_coroutine_threadsafe(stop(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+    def asked(self, user):
+        """The requests whose last user message is `user`."""
+        return [r for r in self.requests if [m for m in r["messages"] if m["role"] == "user"][-1]["content"] == user]
+
+    async def serve(self, reader, writer):
+        try:
+            while line := await reader.readline():
+                path, size = line.split()[1], 0
+                while (h := await reader.readline()) not in (b"\r\n", b""):
+                    k, _, v = h.partition(b":")
+                    size = int(v) if k.lower() == b"content-length" else size
+                status, kind, body = await self.reply(path, await reader.readexactly(size))
+                self.hits[writer.get_extra_info("sockname")[1]] += path != b"/v1/models"
+                writer.write(b"HTTP/1.1 %d -\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n%s"
+                             % (status, kind, len(body), body))
+                await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    async def reply(self, path, body):
+        if path == b"/v1/models":
+            return 200, b"application/json", json.dumps({"object": "list", "data": [{"id": self.model}]}).encode()
+        req = json.loads(body)
+        self.requests.append(req)
+        k, msgs = len(self.requests), req["messages"]
+        user = [m for m in msgs if m["role"] == "user"][-1]["content"]
+        self.inflight += 1
+        self.max_inflight = max(self.max_inflight, self.inflight)
+        await asyncio.sleep(self.delay)
+        self.inflight -= 1
+        fault = self.faults and user in ("FAIL", "BAD", "HANG", "HTML", "EMPTY") and user
+        if fault == "FAIL" or (self.fail_every and k % self.fail_every == 0):
+            return 500, b"application/json", b'{"object": "error", "message": "boom"}'
+        if fault == "BAD":
+            return 400, b"application/json", b'{"object": "error", "message": "prompt too long"}'
+        if fault == "HANG":
+            await asyncio.sleep(3600)
+        if fault in ("HTML", "EMPTY"):
+            return (200, b"text/html", b"<html>502 Bad Gateway</html>") if fault == "HTML" else \
+                (200, b"application/json", b'{"object": "error", "message": "no choices"}')
+        reasoning, content = fake_answer(user, [m.get("content") for m in msgs if m["role"] == "assistant"])
+        msg, finish = {"role": "assistant", "content": content}, "length" if user.startswith("LONG") else "stop"
+        if self.reasoning == "inline":
+            msg["content"] = f"<think>\n{reasoning}\n</think>\n\n{content}"
+        elif self.reasoning:
+            msg[self.reasoning] = reasoning
+        if req.get("tools"):
+            msg["tool_calls"] = [{"id": "call_1", "type": "function",
+                                  "function": {"name": "lookup", "arguments": json.dumps({"q": user})}}]
+            finish = "tool_calls"
+        usage = {"prompt_tokens": len(json.dumps(msgs).split()), "completion_tokens": len(content.split()),
+                 "total_tokens": 0}
+        return 200, b"application/json", json.dumps({
+            "id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": self.model,
+            "choices": [{"index": 0, "message": msg, "finish_reason": finish}], "usage": usage}).encode()
+
+
+@pytest.fixture
+def fake_server():
+    servers = []
+    yield lambda **kw: servers.append(FakeOpenAI(**kw)) or servers[-1]
+    for s in servers:
+        s.close()
+
+
+def regen(inp, out, server, *args, concurrency=4):
+    return cli("regenerate", "--input", inp, "--out", out, *[a for u in server.urls for a in ("--server", u)],
+               "--model", server.model, "--concurrency", concurrency, "--backoff", 0.01, *args)
+
+
+def expected(msgs, tools_or_last=False):
+    """What regenerate must write for these input messages, from fake_answer alone: every assistant turn
+    (or, with tool messages, the final one) answered again, each request holding the earlier answers.
+    An answer is a tuple (reasoning, content)."""
+    def answer(history):
+        return fake_answer([m for m in history if isinstance(m, dict) and m["role"] == "user"][-1]["content"],
+                           [m[1] if isinstance(m, tuple) else m.get("content") for m in history
+                            if isinstance(m, tuple) or m["role"] == "assistant"])
+    if tools_or_last:
+        head = msgs[:-1] if msgs[-1]["role"] == "assistant" else msgs
+        return head + [answer(head)]
+    out = []
+    for m in msgs:
+        out.append(answer(out) if m["role"] == "assistant" else m)
+    return out if msgs[-1]["role"] == "assistant" else out + [answer(out)]
+
+
+def check_answers(got, want):
+    """The stored messages == the expected ones; answers (tuples) as the server sent them."""
+    assert len(got) == len(want), (got, want)
+    for g, w in zip(got, want):
+        if isinstance(w, tuple):
+            assert g["role"] == "assistant" and (g["reasoning_content"], g["content"]) == w, (g, w)
+            assert g["finish_reason"] in ("stop", "length", "tool_calls")
+            assert g["usage"]["completion_tokens"] == len(w[1].split()) and g["usage"]["prompt_tokens"] > 0
+        else:
+            assert g == w
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def by_line(path):
+    rows = read_jsonl(path)
+    assert len({r["input_line"] for r in rows}) == len(rows), "a prompt written twice"
+    return {r["input_line"]: r for r in rows}
+
+
+CHATS = [
+    {"id": "a", "source": "mix", "messages": [
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": "u1"},
+        {"role": "assistant", "content": "old answer 1", "reasoning_content": "old thought"},
+        {"role": "user", "content": "u2"}, {"role": "assistant", "content": "old answer 2"}]},
+    {"id": "b", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "old"},
+                                  {"from": "human", "value": "and then?"}]},
+    {"id": "c", "prompt": "LONG story"},
+    {"id": "d", "tools": [{"type": "function", "function": {"name": "lookup", "parameters": {}}}], "messages": [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "t0", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "t0", "content": "sunny"},
+        {"role": "assistant", "content": "old final"}]},
+    "{broken",
+    {"messages": [{"role": "wizard", "content": "x"}]},
+    {"messages": [{"role": "assistant", "content": "an answer to nothing"}]},
+]
+
+
+@pytest.mark.parametrize("field", ["reasoning_content", "reasoning", "inline"])
+def test_regenerate_answers_every_turn(tmp_path, fake_server, field):
+    srv = fake_server(reasoning=field)
+    write_jsonl(tmp_path / "in.jsonl", CHATS)
+    kwargs = '{"enable_thinking": true}'
+    r = regen(tmp_path / "in.jsonl", tmp_path / "out.jsonl", srv, "--chat-template-kwargs", kwargs)
+    assert r.returncode == 0, r.stderr
+    rows = by_line(tmp_path / "out.jsonl")
+    assert sorted(rows) == [1, 2, 3, 4]
+    for i, chat in enumerate(CHATS[:4], 1):
+        row = rows[i]
+        assert {k: v for k, v in row.items() if k not in ("input_line", "messages")} == \
+            {k: v for k, v in chat.items() if k not in ("messages", "conversations", "prompt")}
+        check_answers(row["messages"], expected(data.conversation(chat), tools_or_last=chat["id"] == "d"))
+    assert rows[3]["messages"][-1]["finish_reason"] == "length"
+    assert rows[4]["messages"][-1]["tool_calls"][0]["function"]["arguments"] == '{"q": "weather?"}'
+    assert rows[1]["messages"][-1]["usage"]["prompt_tokens"] == len(json.dumps(srv.asked("u2")[0]["messages"]).split())
+    # turn 2's request holds the target's answer 1 (reasoning under both names), not the data's
+    (req,) = srv.asked("u2")
+    thought, answer = fake_answer("u1", [])
+    assert req["messages"][2] == {"role": "assistant", "content": answer, "reasoning_content": thought,
+                                  "reasoning": thought}
+    assert srv.asked("weather?")[0]["tools"] == CHATS[3]["tools"]
+    assert srv.asked("weather?")[0]["messages"] == CHATS[3]["messages"][:3]
+    for q in srv.requests:  # SpecForge's defaults; the template kwargs reach the server
+        assert q["temperature"] == 0.7 and q["max_tokens"] == 4096 and "top_p" not in q and "top_k" not in q
+        assert q["chat_template_kwargs"] == {"enable_thinking": True}
+    assert len(srv.requests) == 6
+    # bad input lines: reported by number, listed in the failures file, not fatal
+    for line, kind in [(5, "malformed JSON"), (6, "unknown role"), (7, "no user turn")]:
+        assert f"in.jsonl:{line}: {kind}" in r.stdout
+    assert [f["input_line"] for f in read_jsonl(tmp_path / "out.failed.jsonl")] == [5, 6, 7]
+    assert "wrote 4 lines" in r.stdout and "6 answers, 1 cut at --max-tokens" in r.stdout
+    assert "3 bad input lines" in r.stdout
+    # --turns last: only the final answer, the earlier turns as the data has them
+    n_before = len(srv.requests)
+    r = regen(tmp_path / "in.jsonl", tmp_path / "last.jsonl", srv, "--turns", "last", "--limit", 2,
+              "--top-p", 0.95, "--top-k", 20, "--temperature", 0.6, "--max-tokens", 99)
+    assert r.returncode == 0, r.stderr
+    assert [(q["top_p"], q["top_k"], q["temperature"], q["max_tokens"], "chat_template_kwargs" in q)
+            for q in srv.requests[n_before:]] == [(0.95, 20, 0.6, 99, False)] * 2
+    rows = by_line(tmp_path / "last.jsonl")
+    assert sorted(rows) == [1, 2]
+    for i in (1, 2):
+        check_answers(rows[i]["messages"], expected(data.conversation(CHATS[i - 1]), tools_or_last=True))
+
+
+def test_regenerate_resume_after_kill(tmp_path, fake_server):
+    srv = fake_server(delay=0.2)
+    prompts = [{"id": i, "prompt": f"q{i}"} for i in range(40)]
+    write_jsonl(tmp_path / "in.jsonl", prompts)
+    out = tmp_path / "out.jsonl"
+    p = subprocess.Popen([sys.executable, os.path.join(HERE, "data.py"), "regenerate", "--input", tmp_path / "in.jsonl",
+                          "--out", out, "--server", srv.urls[0], "--model", "tiny", "--concurrency", "2"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    t0 = time.time()
+    while not (out.exists() and out.read_text().count("\n") >= 5) and time.time() - t0 < 30:
+        time.sleep(0.05)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    first = by_line(out)
+    assert 5 <= len(first) < 40
+    with open(out, "a") as f:  # what a kill in the middle of a write leaves
+        f.write('{"input_line": 39, "id": 38, "messa')
+    r = regen(tmp_path / "in.jsonl", out, srv)
+    assert r.returncode == 1 and "already exists; pass --resume" in r.stderr
+    n_before, srv.delay = len(srv.requests), 0
+    r = regen(tmp_path / "in.jsonl", out, srv, "--resume")
+    assert r.returncode == 0, r.stderr
+    assert f"resuming: {len(first)} lines already in" in r.stdout and "dropped a half-written last line" in r.stdout
+    rows = by_line(out)
+    assert sorted(rows) == list(range(1, 41))
+    for i, row in rows.items():
+        assert row["id"] == i - 1
+        check_answers(row["messages"], expected([{"role": "user", "content": f"q{i - 1}"}]))
+    # what was written before the kill is not asked again
+    assert not {m["messages"][0]["content"] for m in srv.requests[n_before:]} & {f"q{i - 1}" for i in first}
+
+
+def test_regenerate_flaky_server_loses_nothing(tmp_path, fake_server):
+    srv = fake_server(ports=2, fail_every=5)
+    write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"q{i}"} for i in range(60)])
+    r = regen(tmp_path / "in.jsonl", tmp_path / "out.jsonl", srv, "--retries", 8)
+    assert r.returncode == 0, r.stderr
+    rows = by_line(tmp_path / "out.jsonl")
+    assert sorted(rows) == list(range(1, 61))
+    for i, row in rows.items():
+        check_answers(row["messages"], expected([{"role": "user", "content": f"q{i - 1}"}]))
+    n_retries = int(re.search(r"(\d+) retries", r.stdout)[1])
+    assert n_retries == len(srv.requests) - 60 == len(srv.requests) // 5  # every 5th failed, was asked again
+    assert read_jsonl(tmp_path / "out.failed.jsonl") == []
+    assert len(srv.hits) == 2 and min(srv.hits.values()) > 10  # both servers took their share
+
+
+def test_regenerate_server_faults(tmp_path, fake_server):
+    srv = fake_server(faults=True)
+    lines = [{"prompt": f"q{i}"} for i in range(5)] + [{"prompt": p} for p in ("FAIL", "BAD", "HANG", "HTML", "EMPTY")]
+    write_jsonl(tmp_path / "in.jsonl", lines)
+    r = regen(tmp_path / "in.jsonl", tmp_path / "out.jsonl", srv, "--timeout", 0.5, "--retries", 1)
+    assert r.returncode == 1 and "5 lines failed on the server" in r.stderr and "--resume" in r.stderr
+    url = srv.urls[0] + "/v1"
+    for line, why in [(6, "HTTP 500"), (7, "HTTP 400"), (8, "no reply within --timeout 0.5s"),
+                      (9, "non-JSON reply '<html>502 Bad Gateway</html>'"), (10, "reply without choices")]:
+        assert f"in.jsonl:{line}: {url}: {why}" in r.stdout, why
+    assert sorted(f["input_line"] for f in read_jsonl(tmp_path / "out.failed.jsonl")) == [6, 7, 8, 9, 10]
+    assert sorted(by_line(tmp_path / "out.jsonl")) == [1, 2, 3, 4, 5]
+    assert "5 failed" in r.stdout and "4 retries" in r.stdout
+    assert [len(srv.asked(p)) for p in ("FAIL", "BAD", "HANG", "HTML", "EMPTY")] == [2, 1, 2, 2, 2]  # 400: no retry
+    srv.faults = False  # the server is fixed: --resume asks for exactly the failed lines
+    r = regen(tmp_path / "in.jsonl", tmp_path / "out.jsonl", srv, "--resume")
+    assert r.returncode == 0, r.stderr
+    rows = by_line(tmp_path / "out.jsonl")
+    assert sorted(rows) == list(range(1, 11)) and len(srv.requests) == 5 + 9 + 5
+    for i, row in rows.items():
+        check_answers(row["messages"], expected([{"role": "user", "content": lines[i - 1]["prompt"]}]))
+    assert read_jsonl(tmp_path / "out.failed.jsonl") == []
+    # a server failing everything is given up on after 2 x --concurrency lines in a row, not asked for every line
+    srv.fail_every, n_before = 1, len(srv.requests)
+    write_jsonl(tmp_path / "more.jsonl", [{"prompt": f"q{i}"} for i in range(40)])
+    r = regen(tmp_path / "more.jsonl", tmp_path / "more.out.jsonl", srv, "--retries", 0)
+    assert r.returncode == 1 and "every server fails every request (last: " in r.stderr
+    assert f"{url}: the last 8 lines all failed" in r.stdout
+    # 8, plus what the other 3 workers had in flight; the rest is never asked
+    assert 8 <= len(read_jsonl(tmp_path / "more.out.failed.jsonl")) <= len(srv.requests) - n_before < 8 + 4
+
+
+def test_regenerate_stops_without_reasoning(tmp_path, fake_server):
+    srv = fake_server(reasoning=None)
+    write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"q{i}"} for i in range(30)])
+    r = regen(tmp_path / "in.jsonl", tmp_path / "out.jsonl", srv)
+    (err,) = [line for line in r.stderr.splitlines() if "error" in line]
+    assert r.returncode == 1 and srv.urls[0] in err and "--reasoning-parser qwen3" in err
+    assert "enable_thinking" in err and os.path.getsize(tmp_path / "out.jsonl") == 0  # nothing written
+    assert len(srv.requests) < 30   # stopped early
+    r = regen(tmp_path / "in.jsonl", tmp_path / "out.jsonl", srv, "--resume",
+              "--chat-template-kwargs", '{"enable_thinking": false}')
+    assert r.returncode == 0, r.stderr
+    rows = by_line(tmp_path / "out.jsonl")
+    assert sorted(rows) == list(range(1, 31)) and not any("reasoning_content" in m for row in rows.values()
+                                                             for m in row["messages"])
+
+
+def test_regenerate_overhead(tmp_path, fake_server):
+    """The client must never be what limits a real engine: exactly --concurrency requests in flight, and its own
+    cost per request against a server that answers at once. The README's figure:
+    python -m pytest -q -s test_smoke.py -k regenerate_overhead"""
+    srv = fake_server(delay=1.5)  # long enough for a busy CPU to send all 256 before the first reply
+    write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"q{i}"} for i in range(512)])
+    r = regen(tmp_path / "in.jsonl", tmp_path / "out.jsonl", srv, concurrency=256)
+    assert r.returncode == 0, r.stderr
+    assert srv.max_inflight == 256 and len(by_line(tmp_path / "out.jsonl")) == 512
+    srv.delay = 0
+    write_jsonl(tmp_path / "fast.jsonl", [{"prompt": f"question {i}: " + "word " * 200} for i in range(2000)])
+    r = regen(tmp_path / "fast.jsonl", tmp_path / "fast.out.jsonl", srv, concurrency=256)
+    assert r.returncode == 0, r.stderr
+    summary = r"([\d.]+) requests/s.*used (\d+)% of a CPU core, ([\d.]+) ms a request"
+    rate, core, ms = re.search(summary, r.stdout).groups()
+    print(f"\n[regenerate] 2000 requests, concurrency 256, instant server: {rate} requests/s, client at {core}% "
+          f"of a core, {ms} ms of client CPU a request = {1e3 / float(ms):.0f} requests/s per core")
+    assert float(ms) < 10  # a regression to per-request setup (a client, a TLS context) costs 100+ ms
+
+
+def test_regenerate_setup_errors(tmp_path, fake_server, monkeypatch):
+    srv = fake_server()
+    write_jsonl(tmp_path / "in.jsonl", [{"prompt": "q"}])
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = cli("regenerate", "--input", tmp_path / "in.jsonl", "--out", tmp_path / "o.jsonl", "--model", "tiny",
+            "--server", srv.urls[0], "--server", f"127.0.0.1:{port}")
+    assert r.returncode == 1 and f"server http://127.0.0.1:{port}/v1 is unreachable" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    r = cli("regenerate", "--input", tmp_path / "in.jsonl", "--out", tmp_path / "o.jsonl", "--model", "big",
+            "--server", srv.urls[0])
+    assert r.returncode == 1 and "does not serve --model big; it serves tiny" in r.stderr
+    r = cli("regenerate", "--input", tmp_path / "in.jsonl", "--out", tmp_path / "o.jsonl", "--model", "tiny",
+            "--server", srv.urls[0], "--chat-template-kwargs", "enable_thinking")
+    assert r.returncode == 2 and "not JSON" in r.stderr
+    monkeypatch.setitem(sys.modules, "openai", None)  # as if not installed
+    with pytest.raises(SystemExit) as e:
+        data.main(["regenerate", "--input", str(tmp_path / "in.jsonl"), "--out", str(tmp_path / "o.jsonl"),
+                   "--model", "tiny", "--server", srv.urls[0]])
+    assert e.value.code == "error: data.py regenerate needs the openai package: pip install openai"
 
 
 
