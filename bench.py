@@ -23,6 +23,9 @@ GPU checks and measurements (needs CUDA and fla-core; not part of the CPU test s
       # train.py itself (its arguments after --; here the demo) in this process under
       # torch.profiler, steps 30-49 recorded: per step wall ms, GPU kernel ms, kernel launches, host
       # syncs and copies, then the top GPU kernels and host ops (a chrome trace in --out)
+  python bench.py prepare --tokenizer /ckpt/Qwen3.6-27B --mb 1024 --prep-workers 1,16
+      # CPU only: data.py prepare on 1 GB of chat JSONL (written once to --out: slices of the
+      # installed torch's .py files, thinking + answer per line): tokens/s per --workers value
   python bench.py load
       # writes (once, to --out/fp8-27b) a block-FP8 copy of random qwen3.6-27b tensors in the
       # official -FP8 layout (~30 GB, 128x128 scales), then times Target.from_pretrained of it onto
@@ -48,7 +51,8 @@ from model import flex_backward_kernels, flex_kernel_options, flex_matches_dense
 
 p = argparse.ArgumentParser(description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
-p.add_argument("what", choices=["check", "target", "drafter", "sweep", "pair", "steps", "load"])
+p.add_argument("what", choices=["check", "target", "drafter", "sweep", "pair", "steps", "load",
+                               "prepare"])
 p.add_argument("--anchors", type=int, default=512,
                help="draft blocks per row (drafter, sweep); per document (pair)")
 p.add_argument("--row-anchors", type=int, default=0,
@@ -76,6 +80,12 @@ p.add_argument("--shapes",
                                 for n in (128, 256, 512, 1024)),
                help="sweep mode: anchors x budget (tokens) pairs, comma-separated")
 p.add_argument("--docs", type=int, default=4, help="documents per row (target, drafter)")
+p.add_argument("--tokenizer", default=None,
+               help="prepare mode: checkpoint dir (tokenizer.json + chat template), e.g. "
+               "/ckpt/Qwen3.6-27B")
+p.add_argument("--mb", type=int, default=1024, help="prepare mode: MB of chat JSONL to prepare")
+p.add_argument("--prep-workers", default="1,16",
+               help="prepare mode: data.py prepare --workers values to time, comma-separated")
 p.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "dflash-bench"),
                help="scratch dir")
 # steps mode: what follows -- is train.py's command line
@@ -585,3 +595,56 @@ print(json.dumps(dict(load_s=round(sec, 1), before={k: round(v, 2) for k, v in b
     print(f"| peak GPU memory / the bf16 weights | {r['gpu_peak_gib']} / {r['weights_gib']} GiB |")
     print(f"| layers.0.mlp.gate_proj == hand dequantization | "
           f"{r['gate_proj_equals_hand_dequant']} |")
+
+elif args.what == "prepare":
+    import glob
+    import resource
+    if not args.tokenizer:
+        sys.exit("error: bench.py prepare needs --tokenizer DIR (a checkpoint directory with "
+                 "tokenizer.json and a chat template)")
+    src = os.path.join(args.out, f"chat-{args.mb}mb.jsonl")
+    if not os.path.exists(src):
+        # real text, code and prose (~3.5 characters a token): the installed torch's .py files,
+        # cut into a ~1.7 KB question and an answer of ~9 KB thinking + ~3.5 KB text per line
+        files = glob.glob(os.path.join(os.path.dirname(torch.__file__), "**", "*.py"),
+                          recursive=True)
+        corpus = "".join(open(f, errors="replace").read() for f in sorted(files))
+        rng, size = np.random.default_rng(0), 0
+
+        def cut(lo, hi):
+            n = int(rng.integers(lo, hi))
+            a = int(rng.integers(0, len(corpus) - n))
+            return corpus[a:a + n]
+        os.makedirs(args.out, exist_ok=True)
+        with open(src + ".tmp", "w") as f:
+            while size < args.mb * 2**20:
+                line = json.dumps({"messages": [
+                    {"role": "user", "content": cut(500, 3000)},
+                    {"role": "assistant", "reasoning_content": cut(2000, 16000),
+                     "content": cut(1000, 6000)}]}) + "\n"
+                f.write(line)
+                size += len(line)
+        os.rename(src + ".tmp", src)
+    print(f"data.py prepare, {os.path.getsize(src) / 2**20:.0f} MB of chat JSONL ({src}), "
+          f"--tokenizer {args.tokenizer} | {os.cpu_count()} CPUs | {time.strftime('%Y-%m-%d')}")
+    # M tokens per CPU-second: all processes' CPU time, which a loaded machine does not inflate
+    print("| --workers | seconds | tokens | M tokens/s | M tokens per CPU-s | MB/s of JSONL | "
+          "hours per 3B tokens | peak MB of one process so far |\n" + "|---" * 8 + "|")
+    for w in map(int, args.prep_workers.split(",")):
+        # the command itself, in a fresh process: its peak memory is the largest of any process
+        out = os.path.join(args.out, f"prepared-{w}")
+        ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu0 = ru.ru_utime + ru.ru_stime
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                     "data.py"), "prepare", "--input", src,
+                        "--out", out, "--tokenizer", args.tokenizer, "--workers", str(w),
+                        "--force"], check=True, capture_output=True)
+        dt = time.perf_counter() - t0
+        with open(os.path.join(out, "train", "meta.json")) as f:
+            n = json.load(f)["n_tokens"]
+        ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu, peak = ru.ru_utime + ru.ru_stime - cpu0, ru.ru_maxrss >> 10
+        mb = os.path.getsize(src) / 2**20
+        print(f"| {w} | {dt:.1f} | {n} | {n / dt / 1e6:.2f} | {n / cpu / 1e6:.3f} | "
+              f"{mb / dt:.1f} | {3e9 / (n / dt) / 3600:.2f} | {peak} |")
