@@ -1332,7 +1332,7 @@ if __name__ == "__main__":
     main()
 
 # What to expect (2-core CPU, torch 2.13, Nov 2026):
-#   python data.py demo --out data/demo   ~40 s, vocab bound 512
+#   python data.py demo --out data/demo   ~4 s, vocab bound 512
 #                                         train: 384 samples, 24559 tokens (18432 supervised)
 #                                         val:    32 samples,  2037 tokens  (1536 supervised)
 #   python data.py prepare ...            ~5M tokens/s for pretokenized lines; peak RSS stays
