@@ -190,13 +190,20 @@ def test_wandb_offline_has_the_logged_records(tmp_path, monkeypatch):
     assert json.loads(summary["drafter"]) == str(out / "drafter")
 
 
-def test_wandb_missing_is_one_line(tmp_path):
-    fake = tmp_path / "wandb"      # an installed-but-broken or absent wandb reads the same to train.py
-    fake.mkdir()
+def test_wandb_errors_are_one_line(tmp_path):
+    """No wandb package; wandb online without an API key (HOME without a netrc: wandb fails before any network)."""
+    fake = tmp_path / "fake" / "wandb"      # an installed-but-broken or absent wandb reads the same to train.py
+    fake.mkdir(parents=True)
     (fake / "__init__.py").write_text("raise ImportError('No module named wandb')\n")
+    env = {k: v for k, v in clean_env().items() if not k.startswith("WANDB_")}
     p = subprocess.run(train_cmd(tmp_path / "out", "--wandb", "x"), cwd=HERE, capture_output=True, text=True,
-                       env={**clean_env(), "PYTHONPATH": str(tmp_path)}, timeout=300)
+                       env={**env, "PYTHONPATH": str(fake.parent)}, timeout=300)
     assert p.returncode == 1 and p.stderr == "error: --wandb needs the wandb package: pip install wandb\n"
+    p = subprocess.run(train_cmd(tmp_path / "out", "--wandb", "x"), cwd=HERE, capture_output=True, text=True,
+                       env={**env, "HOME": str(tmp_path), "WANDB_MODE": "online", "WANDB_DIR": str(tmp_path)},
+                       timeout=300)
+    assert p.returncode == 1 and p.stderr.splitlines()[-1].startswith("error: --wandb x: "), p.stderr[-2000:]
+    assert "WANDB_MODE=offline" in p.stderr.splitlines()[-1] and "Traceback" not in p.stderr
 
 
 @pytest.mark.parametrize("nproc", [2, 4])

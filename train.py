@@ -576,11 +576,14 @@ log_file = open(os.path.join(args.out, "log.jsonl"), "a") if rank == log_rank el
 run = None
 if args.wandb and rank == log_rank:
     # the config: the args and the banner's facts
-    run = wandb.init(project=args.wandb, name=args.wandb_name, config=dict(
-        vars(args), world=world, pairs=n_pairs, devices=[i["device"] for i in infos],
-        torch=torch.__version__, triton=triton_version, target_layers=tcfg.num_hidden_layers,
-        taps=taps, drafter_layout=dcfg.layer_types, drafter_params=n_params,
-        row_capacity=row_anchors, steps=max_steps, self_check=self_check))
+    try:
+        run = wandb.init(project=args.wandb, name=args.wandb_name, config=dict(
+            vars(args), world=world, pairs=n_pairs, devices=[i["device"] for i in infos],
+            torch=torch.__version__, triton=triton_version, target_layers=tcfg.num_hidden_layers,
+            taps=taps, drafter_layout=dcfg.layer_types, drafter_params=n_params,
+            row_capacity=row_anchors, steps=max_steps, self_check=self_check))
+    except wandb.errors.Error as e:     # e.g. no API key
+        sys.exit(f"error: --wandb {args.wandb}: {e} (or log offline: WANDB_MODE=offline)")
 
 def log(record, line):
     # the record first: a step a user saw on screen is on disk too, whatever kills the job next
