@@ -1944,13 +1944,16 @@ class FakeOpenAI:
     """/v1/models and /v1/chat/completions on 127.0.0.1 ports (asyncio, HTTP/1.1 keep-alive, in a
     daemon thread), replies shaped like SGLang's / vLLM's. Knobs, settable any time: reasoning (the
     field: 'reasoning_content', 'reasoning', 'inline' for <think> in the content, or None), delay
-    (s), fail_every (every n-th chat request answers 500) and faults: user prompts FAIL (500),
-    BAD (400), HANG (no reply), HTML (a 200 that is not JSON), EMPTY (a 200 without choices)."""
+    (s), fail_every (every n-th chat request answers 500), answer (messages -> (reasoning, content);
+    default fake_answer) and faults: user prompts FAIL (500), BAD (400), HANG (no reply), HTML (a 200
+    that is not JSON), EMPTY (a 200 without choices)."""
 
     def __init__(self, ports=1, model="tiny", **knobs):
         self.model, self.requests, self.hits = model, [], collections.Counter()
         self.inflight = self.max_inflight = 0
         self.reasoning, self.delay, self.fail_every, self.faults = "reasoning_content", 0, 0, False
+        self.answer = lambda msgs: fake_answer([m for m in msgs if m["role"] == "user"][-1]["content"],
+                                               [m.get("content") for m in msgs if m["role"] == "assistant"])
         self.__dict__.update(knobs)
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
@@ -2013,7 +2016,7 @@ class FakeOpenAI:
         if fault in ("HTML", "EMPTY"):
             return (200, b"text/html", b"<html>502 Bad Gateway</html>") if fault == "HTML" else \
                 (200, b"application/json", b'{"object": "error", "message": "no choices"}')
-        reasoning, content = fake_answer(user, [m.get("content") for m in msgs if m["role"] == "assistant"])
+        reasoning, content = self.answer(msgs)
         msg, finish = {"role": "assistant", "content": content}, "length" if user.startswith("LONG") else "stop"
         if self.reasoning == "inline":
             msg["content"] = f"<think>\n{reasoning}\n</think>\n\n{content}"
