@@ -521,8 +521,8 @@ def test_regenerate_prepare_train(tmp_path):
             # the text survives; the ids need not: a random target's greedy tokens are rarely the
             # tokenizer's own split of their text (a trained model's mostly are)
             exact += got[:-1] == thinker.answers[rows[i]["messages"][0]["content"]][0]
-    train(tmp_path / "run", "--data", tmp_path / "data", "--budget", "256", "--epochs", "8",
-          "--eval-interval", "100", "--log-interval", "50")
+    train(tmp_path / "run", "--data", tmp_path / "data", "--budget", "256", "--epochs", "5",
+          "--eval-interval", "50", "--log-interval", "25")
     evals = train_log(tmp_path / "run", "eval")
     print(f"regenerate -> prepare -> train: {len(rows)} prompts, answers token-exact {exact}, "
           f"held-out accept {evals[0]['accept']:.3f} -> {evals[-1]['accept']:.3f}")
