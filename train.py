@@ -620,25 +620,25 @@ if world > 1 and split:
     # the drafter step timed on this pair's next rows (the first call compiles it): forward,
     # backward and clip as in training, but no optimizer step, grads dropped and the global RNG
     # restored, so the run trains exactly as an unsplit one
-    marks, params_ = [], list(drafter.parameters())
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
+    marks = []
     with torch.random.fork_rng(devices=[device] if cuda else []):
         recv_buf[0].zero_()
         rows = split_rows()
-        for row in [rows[0], *rows]:
+        for i, row in enumerate([rows[0], *rows]):
+            if i == 1 and cuda:     # the peak of a step, not of compiling (autotuning) it
+                torch.cuda.reset_peak_memory_stats(device)
             recv_buf[1].copy_(pack_row(row))
             t0 = mark()
             fields = unpack_row(recv_buf[1])
             out = train_step(recv_buf[0], fields, *draw_anchors(fields)[:3])
             out["loss"].backward()
-            torch.nn.utils.clip_grad_norm_(params_, args.grad_clip)
+            torch.nn.utils.clip_grad_norm_(drafter.parameters(), args.grad_clip)
             marks.append((t0, mark()))
             opt.zero_grad(set_to_none=True)
     sync()
-    # AdamW's exp_avg and exp_avg_sq, made at the first real step
+    # and AdamW's exp_avg and exp_avg_sq, made at the first real step
     held = torch.cuda.max_memory_allocated(device) + 2 * sum(
-        p.numel() * p.element_size() for p in params_) if cuda else 0
+        p.numel() * p.element_size() for p in drafter.parameters()) if cuda else 0
     # 90%: the CUDA context, NCCL's buffers and fragmentation are outside the allocator's count
     usable = 0.9 * torch.cuda.get_device_properties(device).total_memory if cuda else 0
     split = agree_split([np.median([ms(a, b) for a, b in marks[1:]]), held, usable])
