@@ -867,34 +867,29 @@ def choose_split(layer_ms, drafter_ms, layer_bytes=None, fixed_bytes=None, capac
     fewest moved layers. Returns a dict: K, fastest (ignoring memory), and per K: step, target,
     drafter (ms [L, pairs]), need (bytes [L, pairs]) and fits."""
     drafter_ms = np.asarray(drafter_ms, dtype=np.float64)
-    layer_ms = np.asarray(layer_ms, dtype=np.float64).reshape(len(drafter_ms), -1)
+    P = len(drafter_ms)
+    layer_ms = np.asarray(layer_ms, dtype=np.float64).reshape(P, -1)
     L = layer_ms.shape[1]
-    before = np.concatenate([np.zeros((len(drafter_ms), 1)), layer_ms.cumsum(1)], 1).T  # [L+1, P]
-    target = before[:L].copy()
-    target[0] = before[L]                                   # K = 0: the target runs every layer
-    drafter = drafter_ms + before[L] - before[:L]
-    drafter[0] = drafter_ms
-    step = np.maximum(target, drafter).max(1)               # [L]
-    layer_bytes = np.zeros(L) if layer_bytes is None else np.asarray(layer_bytes, np.float64)
-    moved = np.concatenate([np.cumsum(layer_bytes[::-1])[::-1], [0]])   # [L+1]: layers K..L-1
-    need = moved[:L, None] + np.asarray(fixed_bytes if fixed_bytes is not None else 0.0)
-    need = need * np.ones_like(target)
+    done = np.concatenate([np.zeros((P, 1)), layer_ms.cumsum(1)], 1).T   # [L+1, P]: layers 0..K-1
+    target = np.concatenate([done[L:], done[1:L]])          # [L, P]; K = 0: every layer
+    drafter = drafter_ms + np.concatenate([np.zeros((1, P)), done[L] - done[1:L]])
+    step = np.maximum(target, drafter).max(1)               # [L]: the slowest pair
+    w = np.zeros(L) if layer_bytes is None else np.asarray(layer_bytes, dtype=np.float64)
+    moved = np.cumsum(w[::-1])[::-1]                        # [L]: weights of layers K..L-1
+    fixed = np.broadcast_to(np.asarray(fixed_bytes if fixed_bytes is not None else 0.0), (P,))
+    need = moved[:, None] + fixed                           # [L, P]
     need[0] = 0                                             # nothing moved, nothing added
-    fits = np.ones(L, bool) if capacity is None else (need <= np.asarray(capacity)).all(1)
+    cap = None if capacity is None else np.broadcast_to(np.asarray(capacity), (P,))
+    fits = np.ones(L, bool) if cap is None else (need <= cap).all(1)
     order = [0, *range(L - 1, 0, -1)]                       # ties: the fewest moved layers
     fastest = min(order, key=lambda K: step[K])
-    if force is not None:
-        if not fits[force]:
-            p = int(np.argmax(need[force] - np.asarray(capacity)))
-            raise ValueError(f"layers {force}..{L - 1} on the drafter GPU do not fit: "
-                             f"{moved[force] / 2**30:.1f} GiB of weights + "
-                             f"{np.broadcast_to(fixed_bytes, (len(drafter_ms),))[p] / 2**30:.1f} "
-                             f"GiB of the drafter's step and the split's activations = "
-                             f"{need[force, p] / 2**30:.1f} GiB > "
-                             f"{np.broadcast_to(capacity, (len(drafter_ms),))[p] / 2**30:.1f} GiB "
-                             "usable; choose a larger K")
-        K = force
-    else:
-        K = min((K for K in order if fits[K]), key=lambda K: step[K])
+    if force is not None and not fits[force]:
+        p = int(np.argmax(need[force] - cap))
+        raise ValueError(f"layers {force}..{L - 1} on the drafter GPU do not fit: "
+                         f"{moved[force] / 2**30:.1f} GiB of weights + {fixed[p] / 2**30:.1f} GiB "
+                         f"of the drafter's step and the split's activations = "
+                         f"{need[force, p] / 2**30:.1f} GiB > {cap[p] / 2**30:.1f} GiB usable; "
+                         "choose a larger K")
+    K = force if force is not None else min((K for K in order if fits[K]), key=lambda K: step[K])
     return dict(K=K, fastest=fastest, step=step, target=target, drafter=drafter, need=need,
                 fits=fits)
