@@ -162,6 +162,78 @@ def test_resume_continues_exactly(tmp_path):
 
 
 # ==================================================================================================
+# split pairs (--split-layer): the target's layers K..5 on the drafter's process (tiny: taps [1, 3, 5])
+
+SPLIT = ["--max-steps", "20", "--log-interval", "1", "--eval-interval", "10", "--save-interval", "10"]
+
+
+@pytest.fixture(scope="module")
+def unsplit_pair(tmp_path_factory):
+    """The reference: one pair, nothing moved, 20 steps."""
+    out = tmp_path_factory.mktemp("unsplit")
+    train(out, *SPLIT, "--split-layer", "0", nproc=2, port=29541)
+    return out
+
+
+def curve(out):
+    """Every train and eval record's loss, acceptance and grad norm, by (kind, step); the last wins."""
+    with open(os.path.join(out, "log.jsonl")) as f:
+        return {(r["kind"], r["step"]): (r["loss"], r["accept"], r.get("gnorm"))
+                for r in map(json.loads, f) if r["kind"] in ("train", "eval")}
+
+
+@pytest.mark.parametrize("K", ["5", "auto"])
+def test_split_pair_same_curve(unsplit_pair, tmp_path, K):
+    """K = 5, the last tapped layer (the drafter's process runs it alone), and auto (on CPU the tiny drafter is
+    the slower role, so auto should move nothing; any K it picks must give the same run): the same losses,
+    acceptance and grad norms as the unsplit pair, exactly, over 20 steps and 3 evals."""
+    out = train(tmp_path, *SPLIT, "--split-layer", K, nproc=2, port=29542 + (K == "auto"))
+    chosen = re.search(r"^split: --split-layer (\d+) \((.*)\): predicted step (\d+) ms \(unsplit (\d+) ms\), "
+                       r"busy target \d+% drafter \d+%$", out, re.M)
+    assert chosen and re.search(r"^split: target layers 0\.\.5 measured on 4 rows", out, re.M), out[-3000:]
+    if K == "5":
+        assert chosen.group(1, 2) == ("5", "layers 5..5 on the drafter GPU")
+    else:   # auto predicts no slower than unsplit
+        assert 0 <= int(chosen.group(1)) <= 5 and int(chosen.group(3)) <= int(chosen.group(4))
+    assert curve(tmp_path) == curve(unsplit_pair) and len(curve(tmp_path)) == 23
+    log = train_log(tmp_path)
+    assert all(r["split_layer"] == int(chosen.group(1)) for r in log)
+    assert all(r["graphs"] == 2 for r in log), [r["graphs"] for r in log]   # one train, one eval graph
+    if K == "5":   # the moved layer's time is the drafter's: "ms target T+M", M in the drafter's busy share
+        assert all(r["ms_target_on_drafter"] > 0 for r in log) and re.search(r"ms target \d+\+\d+ wait", out)
+        r = log[-1]
+        assert r["busy_drafter"] == pytest.approx((r["ms_drafter"] + r["ms_target_on_drafter"]) / r["ms_step"])
+
+
+def test_split_resume_across_layers(unsplit_pair, tmp_path):
+    """A split run at K = 3 stopped after its step-10 checkpoint and resumed at K = 1 (nothing tapped below it:
+    only the hidden state travels) equals the straight unsplit run: the split is no part of the checkpoint."""
+    p = start(tmp_path, *SPLIT, "--split-layer", "3", nproc=2, port=29544)
+    for line in p.stdout:
+        if "step 10: saved" in line:
+            break
+    drafter, = drafter_pids(str(tmp_path))
+    os.kill(drafter, signal.SIGKILL)                 # torchrun then stops the target
+    assert "--resume" in p.communicate(timeout=120)[0] and p.returncode != 0
+    resumed = train(tmp_path, *SPLIT, "--split-layer", "1", "--resume", nproc=2, port=29545)
+    assert printed_steps(resumed) == list(range(11, 21))
+    assert "split: --split-layer 1 (layers 1..5 on the drafter GPU)" in resumed
+    assert curve(tmp_path) == curve(unsplit_pair)
+
+
+def test_split_layer_errors(tmp_path):
+    """A K past the last tapped layer, a K for one process, or no number: one line at start."""
+    for flags, msg in [(["--split-layer", "6"], "error: --split-layer 6: 0 (no split), auto, or a layer 1..5, "
+                                                "the last tapped one (taps [1, 3, 5])"),
+                       (["--split-layer", "x"], "error: --split-layer x: 0 (no split), auto, or a layer 1..5"),
+                       (["--split-layer", "3"], "error: --split-layer 3: one process runs the whole target; a "
+                                                "split needs a pair (torchrun --nproc_per_node 2 or more)")]:
+        r = run_apart(train_cmd(tmp_path, "--data", demo_data(), *flags))
+        assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert r.stderr.startswith(msg), r.stderr
+
+
+# ==================================================================================================
 # faults: bad flags and files, non-finite loss, killed rank, crash mid-save, broken cache, two nodes
 
 def test_start_checks(tmp_path):
