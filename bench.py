@@ -19,6 +19,10 @@ GPU checks and measurements (needs CUDA and fla-core; not part of the CPU test s
       # runs train.py itself: both roles in one process on GPU 0 (each role timed alone), then one
       # pair on GPUs 0-1 under torchrun; prints one table with MFU against the measured bf16
       # matmul peak (--target qwen3.5-35b-a3b: the MoE pair)
+  python bench.py steps -- --max-steps 60
+      # train.py itself (its arguments after --; here the demo) in this process under
+      # torch.profiler, steps 30-49 recorded: per step wall ms, GPU kernel ms, kernel launches, host
+      # syncs and copies, then the top GPU kernels and host ops (a chrome trace in --out)
   python bench.py split --mix long          # one GPU: train.py --split-layer auto's measurements
                                              # (per-layer target ms, the drafter step at the
                                              # capacity train.py picks) and its choice: predicted
@@ -52,8 +56,8 @@ from model import flex_backward_kernels, flex_kernel_options, flex_matches_dense
 
 p = argparse.ArgumentParser(description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
-p.add_argument("what", choices=["check", "target", "drafter", "sweep", "pair", "split", "load",
-                                  "prepare"])
+p.add_argument("what", choices=["check", "target", "drafter", "sweep", "pair", "split", "steps",
+                               "load", "prepare"])
 p.add_argument("--anchors", type=int, default=512,
                help="draft blocks per row (drafter, sweep); per document (pair)")
 p.add_argument("--row-anchors", type=int, default=0,
@@ -92,7 +96,10 @@ p.add_argument("--prep-workers", default="1,16",
                help="prepare mode: data.py prepare --workers values to time, comma-separated")
 p.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "dflash-bench"),
                help="scratch dir")
-args = p.parse_args()
+# steps mode: what follows -- is train.py's command line
+cut = sys.argv.index("--") if "--" in sys.argv else len(sys.argv)
+args = p.parse_args(sys.argv[1:cut])
+args.train_args = sys.argv[cut + 1:]
 dev = torch.device("cuda")
 
 def bench_ms(fn, iters=5):
@@ -185,6 +192,10 @@ if args.what == "check":
               f"{['%.2e' % e for e in errs]}")
         assert max(errs) < 3e-2, f"{name}: the GPU path disagrees with the torch path"
     gpu_vs_cpu("fla (bf16)", cpu, gpu)
+    # the varlen chunk list the target hands fla (made on the host) is fla's own
+    from fla.ops.utils import prepare_chunk_indices
+    assert torch.equal(target_module._chunk_indices(tuple(cu.tolist()), dev),
+                       prepare_chunk_indices(cu.to(dev), 64)), "chunk indices differ from fla's"
     # the MoE target the same way (grouped GEMM in bf16 on the GPU, one matmul per expert in fp32
     # on the CPU), with top-k = all experts: bf16 router logits pick other experts than fp32 ones
     # for a few % of tokens (near ties)
@@ -445,6 +456,47 @@ elif args.what == "pair":
               f"{' / '.join(f'{m:.1f}' for m in r['mem_gib'])} GiB |")
         print(f"| {name}: compiled graphs on the drafter rank (train + eval) | {r.get('graphs')} |")
 
+elif args.what == "steps":
+    # train.py as a user runs it, in this process; a global optimizer hook steps the profiler's
+    # schedule, so nothing in train.py changes: steps 30-49 are recorded (after the compile and
+    # train.py's own profiled step; two profilers cannot run at once)
+    import runpy
+    from torch.profiler import ProfilerActivity, profile, schedule
+    activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * torch.cuda.is_available()
+    n = 20
+    prof = profile(activities=activities, schedule=schedule(wait=28, warmup=2, active=n, repeat=1))
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    hook = register_optimizer_step_post_hook(lambda *a: prof.step())
+    sys.argv = ["train.py", "--out", os.path.join(args.out, "steps"), *args.train_args]
+    prof.start()
+    runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py"),
+                   run_name="__main__")
+    prof.stop()
+    hook.remove()
+    events = prof.key_averages()
+    per_step = lambda *names: sum(e.count for e in events if e.key in names) / n
+    kernels = [e for e in events if e.device_type.name == "CUDA"]
+    wall = [e.cpu_time_total / e.count for e in events if e.key.startswith("ProfilerStep")]
+    launches = per_step("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
+                        "cudaLaunchKernelExC")
+    syncs = per_step("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+    print(f"\n{torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'} | "
+          f"torch {torch.__version__} | train.py {' '.join(args.train_args)} | {n} steps")
+    print(f"per step: {sum(wall) / max(len(wall), 1) / 1e3:.1f} ms wall, "
+          f"{sum(e.self_device_time_total for e in kernels) / n / 1e3:.1f} ms of GPU kernels, "
+          f"{sum(e.count for e in kernels) / n:.0f} kernels, {launches:.0f} launches, host syncs "
+          f"{syncs:.1f}, copies {per_step('cudaMemcpyAsync', 'cudaMemcpy'):.1f}")
+    print("| GPU kernel | ms/step | calls/step |\n|---|---|---|")
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:15]:
+        print(f"| {e.key[:90]} | {e.self_device_time_total / n / 1e3:.2f} | {e.count / n:.0f} |")
+    print("| host op (self time) | ms/step | calls/step |\n|---|---|---|")
+    host = [e for e in events
+            if e.device_type.name == "CPU" and not e.key.startswith("ProfilerStep")]
+    for e in sorted(host, key=lambda e: -e.self_cpu_time_total)[:20]:
+        print(f"| {e.key[:90]} | {e.self_cpu_time_total / n / 1e3:.2f} | {e.count / n:.0f} |")
+    trace = os.path.join(args.out, "steps_trace.json")
+    prof.export_chrome_trace(trace)
+    print(f"chrome trace: {trace}")
 elif args.what == "split":
     # what train.py --split-layer auto would choose for a pair, measured as train.py measures it but
     # on one GPU (both roles in turn): predictions, not a two-GPU run

@@ -109,6 +109,11 @@ class MLP(nn.Module):
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
+def upload(t, device):
+    # a host tensor to `device` without a host sync: .to() from pageable memory waits for the
+    # stream to drain; a copy from pinned memory is queued like a kernel
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
 def positions_from_cu(cu_seqlens):
     # cu_seqlens [n+1] (CPU) -> positions [T] restarting at 0 in every document
     lens = cu_seqlens[1:] - cu_seqlens[:-1]
@@ -175,6 +180,16 @@ def torch_chunk_gated_delta_rule(q, k, v, g, beta, chunk=None):
         state = state * last[:, None, None].exp() + k_decayed.transpose(-1, -2) @ v_new
     o = torch.stack(out, 1).reshape(heads, n * chunk, -1).transpose(0, 1)  # [T_padded, heads, dv]
     return o[:T]
+
+@functools.lru_cache(maxsize=4)
+def _chunk_indices(cu, device):
+    # fla's work list of 64-token chunks for boundaries cu (a tuple): [n_chunks, 2] = (document,
+    # chunk within it), as fla.ops.utils.prepare_chunk_indices makes it, but from the host's
+    # boundaries (fla makes it from the device cu_seqlens with a host sync in every forward)
+    counts = (torch.tensor(cu).diff() + 63) // 64
+    doc = torch.repeat_interleave(torch.arange(len(counts)), counts)
+    first = counts.cumsum(0) - counts
+    return upload(torch.stack([doc, torch.arange(len(doc)) - first[doc]], 1), device)
 
 def _fla():
     # imported lazily: CPU users and CI never need triton
@@ -401,14 +416,24 @@ class GatedAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps, plus_one=True)
         self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps, plus_one=True)
 
-    def forward(self, x, rope, cu, cu_list):
+    def forward(self, x, rope, cu, cu_list, cache=None):
         T, hd = x.shape[0], self.head_dim
         # [T, heads, hd] each
         q, gate = self.q_proj(x).view(T, self.n_heads, 2 * hd).chunk(2, dim=-1)
         q = apply_rope(self.q_norm(q), *rope)
         k = apply_rope(self.k_norm(self.k_proj(x).view(T, self.n_kv_heads, hd)), *rope)
         v = self.v_proj(x).view(T, self.n_kv_heads, hd)
-        if x.is_cuda:
+        if cache is not None:
+            # decoding (Target.greedy): x is the newest token of T sequences, all at position n;
+            # their keys and values [T, kv_heads, size, hd] fill up one position per step
+            if "k" not in cache:
+                cache.update(n=0, k=k.new_zeros(T, self.n_kv_heads, cache["size"], hd),
+                             v=v.new_zeros(T, self.n_kv_heads, cache["size"], hd))
+            n = cache["n"]
+            cache["k"][:, :, n], cache["v"][:, :, n], cache["n"] = k, v, n + 1
+            o = F.scaled_dot_product_attention(q[:, :, None], cache["k"][:, :, :n + 1],
+                                               cache["v"][:, :, :n + 1], enable_gqa=True)[:, :, 0]
+        elif x.is_cuda:
             # document-causal attention over all documents in one varlen (flash) call, K/V repeated
             # to the query heads (the fastest of the kernels bench.py target compares)
             from torch.nn.attention.varlen import varlen_attn
@@ -445,7 +470,7 @@ class GatedDeltaNet(nn.Module):
         self.norm = RMSNorm(self.dv, self.eps)              # plain weight, then * silu(z)
         self.out_proj = nn.Linear(value_dim, c.hidden_size, bias=False)
 
-    def forward(self, x, rope, cu, cu_list):     # rope unused: GDN has no positions
+    def forward(self, x, rope, cu, cu_list, cache=None):     # rope unused: GDN has no positions
         T, key_dim = x.shape[0], self.n_qk * self.dk
         qkv = self.in_proj_qkv(x)
         z = self.in_proj_z(x).view(T, self.n_v, self.dv)
@@ -453,25 +478,33 @@ class GatedDeltaNet(nn.Module):
         # log decay per step and v-head, in fp32
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
         split = [key_dim, key_dim, self.n_v * self.dv]
-        if x.is_cuda:
+        if x.is_cuda and cache is None:
             chunk_gated_delta_rule, causal_conv1d, rms_norm_gated = _fla()
+            chunks = _chunk_indices(tuple(cu_list), x.device)
             y, _ = causal_conv1d(qkv[None], weight=self.conv1d.weight[:, 0], activation="silu",
-                                 cu_seqlens=cu)
+                                 cu_seqlens=cu, chunk_indices=chunks)
             q, k, v = y[0].split(split, dim=-1)
             q, k = q.view(1, T, self.n_qk, self.dk), k.view(1, T, self.n_qk, self.dk)
             o, _ = chunk_gated_delta_rule(q, k, v.view(1, T, self.n_v, self.dv), g=g[None],
                                           beta=beta[None], use_qk_l2norm_in_kernel=True,
-                                          cu_seqlens=cu)
+                                          cu_seqlens=cu, chunk_indices=chunks)
             o = rms_norm_gated(o[0], z, self.norm.weight, None, activation="swish", eps=self.eps)
         else:
-            # causal depthwise conv that restarts at every document start: zero the taps from
-            # other documents
             width = self.conv1d.weight.shape[-1]
-            doc = torch.repeat_interleave(torch.arange(len(cu_list) - 1),
-                                          torch.tensor(cu_list).diff())
-            windows = F.pad(qkv, (0, 0, width - 1, 0)).unfold(0, width, 1)  # [T, channels, width]
-            window_doc = F.pad(doc, (width - 1, 0), value=-1).unfold(0, width, 1)  # [T, width]
-            windows = windows * (window_doc == doc[:, None])[:, None, :].to(windows.dtype)
+            if cache is not None:
+                # decoding (Target.greedy): x is the newest token of T sequences; each one's last
+                # width-1 conv inputs are cached (zeros before its start)
+                past = cache.get("conv", qkv.new_zeros(T, qkv.shape[1], width - 1))
+                windows = torch.cat([past, qkv[:, :, None]], 2)           # [T, channels, width]
+                cache["conv"] = windows[:, :, 1:]
+            else:
+                # causal depthwise conv that restarts at every document start: zero the taps from
+                # other documents
+                doc = torch.repeat_interleave(torch.arange(len(cu_list) - 1),
+                                              torch.tensor(cu_list).diff())
+                windows = F.pad(qkv, (0, 0, width - 1, 0)).unfold(0, width, 1)  # [T, channels, w]
+                window_doc = F.pad(doc, (width - 1, 0), value=-1).unfold(0, width, 1)  # [T, width]
+                windows = windows * (window_doc == doc[:, None])[:, None, :].to(windows.dtype)
             y = F.silu((windows * self.conv1d.weight[:, 0]).sum(-1))
             q, k, v = y.split(split, dim=-1)
             # l2norm as HF/FLA do it: x / sqrt(|x|^2 + 1e-6) (F.normalize's x / max(|x|, eps)
@@ -483,17 +516,26 @@ class GatedDeltaNet(nn.Module):
             # v-head j reads q/k head j // rep
             q, k = (t.repeat_interleave(rep, dim=1) for t in (q, k))
             v = v.view(T, self.n_v, self.dv)
-            # every document restarts the state: pad them into one batch and fold the batch into
-            # the heads
-            n_docs = len(cu_list) - 1
-            longest = max(b - a for a, b in zip(cu_list[:-1], cu_list[1:]))
-            def fold(t):   # [T, heads, ...] -> [longest, n_docs * heads, ...]
-                return pad_docs(t, cu_list).transpose(0, 1).reshape(longest, n_docs * self.n_v,
-                                                                     *t.shape[2:])
-            o = torch_chunk_gated_delta_rule(*(fold(t) for t in (q, k, v, g, beta)))
-            # [n_docs, longest, heads, dv]
-            o = o.view(longest, n_docs, self.n_v, self.dv).transpose(0, 1)
-            o = unpad_docs(o, cu_list).to(x.dtype)
+            if cache is not None:
+                # one step of the recurrence (torch_chunk_gated_delta_rule's docstring) per
+                # sequence, state M [T, heads, dk, dv] cached
+                M = cache.get("state", q.new_zeros(T, self.n_v, self.dk, self.dv))
+                M = M * g.exp()[..., None, None]
+                delta = beta[..., None].float() * (v.float() - (M * k[..., None]).sum(-2))
+                cache["state"] = M = M + k[..., None] * delta[..., None, :]
+                o = (M * q[..., None]).sum(-2).to(x.dtype)                   # [T, heads, dv]
+            else:
+                # every document restarts the state: pad them into one batch and fold the batch
+                # into the heads
+                n_docs = len(cu_list) - 1
+                longest = max(b - a for a, b in zip(cu_list[:-1], cu_list[1:]))
+                def fold(t):   # [T, heads, ...] -> [longest, n_docs * heads, ...]
+                    return pad_docs(t, cu_list).transpose(0, 1).reshape(
+                        longest, n_docs * self.n_v, *t.shape[2:])
+                o = torch_chunk_gated_delta_rule(*(fold(t) for t in (q, k, v, g, beta)))
+                # [n_docs, longest, heads, dv]
+                o = o.view(longest, n_docs, self.n_v, self.dv).transpose(0, 1)
+                o = unpad_docs(o, cu_list).to(x.dtype)
             o = (self.norm(o).float() * F.silu(z.float())).to(x.dtype)
         return self.out_proj(o.reshape(T, -1))
 
@@ -568,9 +610,9 @@ class TargetLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(c)
         self.mlp = MoE(c) if c.num_experts else MLP(c.hidden_size, c.intermediate_size)
 
-    def forward(self, h, rope, cu, cu_list):
+    def forward(self, h, rope, cu, cu_list, cache=None):
         mixer = self.self_attn if self.kind == "full_attention" else self.linear_attn
-        h = h + mixer(self.input_layernorm(h), rope, cu, cu_list)
+        h = h + mixer(self.input_layernorm(h), rope, cu, cu_list, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 # -----------------------------------------------------------------------------
@@ -766,10 +808,10 @@ class Target(nn.Module):
         if h is None:
             assert self.first == 0, f"layers {self.first}.. start from a hidden state: pass h"
             h = self.embed_tokens(ids)
-        pos = positions_from_cu(cu_seqlens).to(h.device)
+        pos = upload(positions_from_cu(cu_seqlens), h.device)
         rope = rope_cos_sin(pos, int(c.head_dim * c.partial_rotary_factor), c.rope_theta,
                             c.rope_scaling, c.max_position_embeddings)
-        cu = cu_seqlens.to(h.device)
+        cu = upload(cu_seqlens, h.device)
         for i in range(self.first, stop):
             h = self.layers[i](h, rope, cu, cu_list)
             yield i, h
@@ -837,6 +879,33 @@ class Target(nn.Module):
         logits = self.lm_head(self.norm(h if at is None else h[at])).float()
         feats = torch.cat([taps[i] for i in layer_ids], dim=-1) if layer_ids else None
         return feats, logits
+
+    @torch.inference_mode()
+    def greedy(self, prompts, new_tokens):
+        """Greedy continuations of `prompts` (1-D id tensors), new_tokens each, decoded in lockstep
+        with per-layer caches (attention keys/values, the GDN conv inputs and state): a step costs
+        one token per sequence, not a rerun of the prefix. Sequence j reads its prompt while it
+        lasts, then its own argmax. Returns ids [n, longest prompt + new_tokens], row j's first
+        len(prompts[j]) + new_tokens being prompt j and its continuation. The plain torch path
+        (CPU, or any device)."""
+        assert self.norm is not None, "greedy needs every layer: build the target without n_layers"
+        c, dev, n = self.config, self.embed_tokens.weight.device, len(prompts)
+        lens = torch.tensor([len(p) for p in prompts], device=dev)
+        seq = torch.zeros(n, int(lens.max()) + new_tokens, dtype=torch.long, device=dev)
+        for j, p in enumerate(prompts):
+            seq[j, :len(p)] = p
+        caches = [dict(size=seq.shape[1]) for _ in self.layers]
+        for t in range(seq.shape[1] - 1):
+            # every sequence is at position t
+            rope = rope_cos_sin(torch.full((n,), t, device=dev),
+                                int(c.head_dim * c.partial_rotary_factor), c.rope_theta,
+                                c.rope_scaling, c.max_position_embeddings)
+            h = self.embed_tokens(seq[:, t])
+            for layer, cache in zip(self.layers, caches):
+                h = layer(h, rope, None, None, cache)
+            nxt = self.lm_head(self.norm(h)).float().argmax(-1)
+            seq[:, t + 1] = torch.where(lens > t + 1, seq[:, t + 1], nxt)
+        return seq
 
     def flops(self, cu_seqlens, n_layers):
         """Matmul FLOPs of a forward through layers [0, n_layers) over one packed row (for MFU)."""

@@ -47,8 +47,8 @@ from data import DataError, Packer, open_dataset, write_dataset
 from model import (FULL, SLIDING, Drafter, DrafterConfig, anchor_blocks, anchor_mask_mod, block_lists,
                    config_from_json, default_target_layer_ids, drafter_rope, flex_matches_dense, row_attention,
                    sample_anchors)
-from target import (MOE_FIELDS, MoE, Target, TargetConfig, choose_split, dequantize_fp8, expert_linear,
-                    positions_from_cu, rope_cos_sin, rope_inv_freq, torch_chunk_gated_delta_rule)
+from target import (MOE_FIELDS, MoE, Target, TargetConfig, _chunk_indices, choose_split, dequantize_fp8,
+                    expert_linear, positions_from_cu, rope_cos_sin, rope_inv_freq, torch_chunk_gated_delta_rule)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LIN = "linear_attention"
@@ -174,6 +174,13 @@ def test_chunk_delta_rule_matches_recurrence(T, chunk, g_max):
 
 def test_positions_from_cu():
     assert positions_from_cu(cu_of([3, 1, 4])).tolist() == [0, 1, 2, 0, 0, 1, 2, 3]
+
+
+def test_chunk_indices_by_hand():
+    # the (document, chunk) list handed to fla: 64-token chunks, an empty document has none
+    # (bench.py check compares it with fla's prepare_chunk_indices on a GPU)
+    got = _chunk_indices((0, 130, 194, 194, 200), torch.device("cpu"))
+    assert got.tolist() == [[0, 0], [0, 1], [0, 2], [1, 0], [3, 0]]
 
 
 def test_packed_documents_equal_separate_runs():
@@ -1972,7 +1979,7 @@ def test_demo_is_the_targets_greedy_output(tmp_path):
             p = int((mask == 0).sum())
             assert 8 <= p <= 24 and len(ids) == p + 20 and mask[:p].sum() == 0 and mask[p:].all()
             prompts.add(tuple(ids[:p].tolist()))
-            # independent of the packed step-by-step generation: one teacher-forced forward over
+            # independent of the cached lockstep decode (Target.greedy): one teacher-forced forward over
             # the sample alone; a causal model's argmax at each continuation position: the next token
             logits = tiny.logits(ids, torch.tensor([0, len(ids)]))
             assert torch.equal(logits[p - 1:-1].argmax(-1), ids[p:])

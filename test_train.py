@@ -6,12 +6,14 @@ generate.py's command line and train.py --generate-prompts. Minutes: each test t
 drafter a few steps.
 Run: python -m pytest -q test_smoke.py test_train.py (the demo dataset is built once, in data/demo)
 """
+import glob
 import json
 import math
 import os
 import re
 import resource
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -115,6 +117,15 @@ def test_train_demo_defaults(tmp_path):
           f"{evals[-1]['accept']:.3f}, loss {evals[0]['loss']:.3f} -> {evals[-1]['loss']:.3f}")
     assert evals[0]["accept"] < 1.05 and evals[-1]["accept"] > 1.12, [e["accept"] for e in evals]
     assert evals[-1]["loss"] < evals[0]["loss"] - 0.5
+    # the ETA falls over the run and, at the halfway log line, is within 20% of the time that was left
+    lines, end = train_log(tmp_path), train_log(tmp_path, "end")[0]["elapsed_s"]
+    etas = [r["eta_s"] for r in lines]
+    q = len(lines) // 4
+    assert etas[q] > etas[2 * q] > etas[3 * q] > etas[-1], etas
+    half = lines[len(lines) // 2]
+    left = end - half["elapsed_s"]
+    print(f"ETA at step {half['step']}: {half['eta_s']:.1f} s, actually left {left:.1f} s")
+    assert abs(half["eta_s"] - left) < 0.2 * left
     # the z-lab export reproduces the trained drafter (fp32 master weights rounded to bf16, as exported)
     ck = torch.load(tmp_path / "ckpt.pt", weights_only=False)
     trained = Drafter(DrafterConfig(**ck["drafter_config"]))
@@ -126,6 +137,73 @@ def test_train_demo_defaults(tmp_path):
     args = (feats[:30], torch.arange(30), ids[30], torch.tensor(30), tgt.embed_tokens.weight,
             tgt.lm_head.weight)
     assert torch.equal(trained.propose(*args)[1], exported.propose(*args)[1])
+
+
+def wandb_records(wandb_dir):
+    """The records of the one offline W&B run under wandb_dir, read from its run-ID.wandb file: the LevelDB log
+    format wandb writes (a 7-byte file header, then 32 KiB blocks of chunks: 7-byte header (crc32, length, type
+    1 full / 2 first / 3 middle / 4 last) and data; a block tail under 7 bytes is padding), one
+    wandb_internal_pb2.Record per complete chunk sequence."""
+    from wandb.proto import wandb_internal_pb2 as pb
+    [path] = glob.glob(os.path.join(wandb_dir, "wandb", "offline-run-*", "run-*.wandb"))
+    buf = open(path, "rb").read()
+    assert buf[:4] == b":W&B"
+    pos, data = 7, b""
+    while pos + 7 <= len(buf):
+        if 32768 - pos % 32768 < 7:
+            pos += 32768 - pos % 32768
+            continue
+        _, n, kind = struct.unpack("<IHB", buf[pos:pos + 7])
+        assert kind in (1, 2, 3, 4), (pos, kind)
+        data, pos = data + buf[pos + 7:pos + 7 + n], pos + 7 + n
+        if kind in (1, 4):
+            yield pb.Record.FromString(data)
+            data = b""
+
+
+def test_wandb_offline_has_the_logged_records(tmp_path, monkeypatch):
+    """--wandb with WANDB_MODE=offline (no network): W&B's own run file holds log.jsonl's train and eval loss and
+    accept at the same steps, the config (args and banner facts) and the exported drafter's path."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    out = tmp_path / "out"
+    train(out, "--max-steps", 20, "--log-interval", 5, "--eval-interval", 10, "--wandb", "dflash-test",
+          "--wandb-name", "t1")
+    history, config, summary = {}, {}, {}
+    for r in wandb_records(tmp_path):
+        kind = r.WhichOneof("record_type")
+        if kind == "history":
+            history.setdefault(r.history.step.num, {}).update(
+                {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item})
+        elif kind == "run":
+            config = {u.key: json.loads(u.value_json) for u in r.run.config.update}
+            assert (r.run.project, r.run.display_name) == ("dflash-test", "t1")
+        elif kind == "summary":
+            summary.update({u.key or "/".join(u.nested_key): u.value_json for u in r.summary.update})
+    for kind in ("train", "eval"):
+        logged = {r["step"]: (r["loss"], r["accept"]) for r in train_log(out, kind)}
+        sent = {step: (row[f"{kind}/loss"], row[f"{kind}/accept"]) for step, row in history.items()
+                if f"{kind}/loss" in row}
+        assert len(logged) >= 3 and sent == logged, (kind, sent, logged)
+    assert config["budget"] == 128 and config["row_anchors"] == 0 and config["world"] == 1
+    assert config["devices"] == ["cpu"] and config["drafter_layout"] == ["full_attention"] * 5
+    assert json.loads(summary["drafter"]) == str(out / "drafter")
+
+
+def test_wandb_errors_are_one_line(tmp_path):
+    """No wandb package; wandb online without an API key (HOME without a netrc: wandb fails before any network)."""
+    fake = tmp_path / "fake" / "wandb"      # an installed-but-broken or absent wandb reads the same to train.py
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('No module named wandb')\n")
+    env = {k: v for k, v in clean_env().items() if not k.startswith("WANDB_")}
+    p = subprocess.run(train_cmd(tmp_path / "out", "--wandb", "x"), cwd=HERE, capture_output=True, text=True,
+                       env={**env, "PYTHONPATH": str(fake.parent)}, timeout=300)
+    assert p.returncode == 1 and p.stderr == "error: --wandb needs the wandb package: pip install wandb\n"
+    p = subprocess.run(train_cmd(tmp_path / "out", "--wandb", "x"), cwd=HERE, capture_output=True, text=True,
+                       env={**env, "HOME": str(tmp_path), "WANDB_MODE": "online", "WANDB_DIR": str(tmp_path)},
+                       timeout=300)
+    assert p.returncode == 1 and p.stderr.splitlines()[-1].startswith("error: --wandb x: "), p.stderr[-2000:]
+    assert "WANDB_MODE=offline" in p.stderr.splitlines()[-1] and "Traceback" not in p.stderr
 
 
 @pytest.mark.parametrize("nproc", [2, 4])

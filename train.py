@@ -22,6 +22,7 @@ import warnings
 from contextlib import nullcontext
 from datetime import timedelta
 
+t_launch = time.perf_counter()      # the log's elapsed time counts from here
 parser = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
 group = parser.add_argument_group("data")
@@ -84,6 +85,10 @@ group.add_argument("--eval-interval", type=int, default=100,
 group.add_argument("--save-interval", type=int, default=500,
                    help="steps between checkpoints (and at the end)")
 group.add_argument("--resume", action="store_true", help="continue from OUT/ckpt.pt")
+group.add_argument("--wandb", default=None, metavar="PROJECT", help="also send the train, eval "
+                   "and generate records to this Weights & Biases project (pip install wandb; "
+                   "WANDB_MODE=offline logs without a network)")
+group.add_argument("--wandb-name", default=None, help="W&B run name (default: wandb's own)")
 group = parser.add_argument_group("system")
 group.add_argument("--no-compile", action="store_true", help="run the drafter step eagerly "
                    "(debugging only; dense flex backward on GPU)")
@@ -98,6 +103,11 @@ group.add_argument("--split-layer", default=None, help="a pair runs the target's
 group.add_argument("--timeout", type=float, default=900, help="seconds a rank waits for a peer "
                    "before failing (covers the first compile)")
 args = parser.parse_args()
+if args.wandb:
+    try:
+        import wandb
+    except ImportError:
+        sys.exit("error: --wandb needs the wandb package: pip install wandb")
 
 # Each rank gets its own Triton and Inductor cache unless the user set one, set before torch imports
 # triton: ranks sharing a cache race on it; a cache on NFS corrupts (pytorch#173679, triton#2688)
@@ -134,7 +144,7 @@ sys.excepthook = on_error
 import numpy as np
 import torch
 import torch.distributed as dist
-from target import Target, TargetConfig, choose_split
+from target import Target, TargetConfig, choose_split, upload
 from model import Drafter, DrafterConfig, sample_anchors, block_lists
 from model import flex_backward_kernels, flex_kernel_options, flex_matches_dense
 from data import open_dataset, Packer, make_demo
@@ -359,7 +369,7 @@ def pack_row(row):
     where = np.zeros(budget, dtype=np.int64)
     where[:2] = row.epoch, row.index
     arrays = [row.tokens, row.loss_mask.astype(np.int64), row.doc.astype(np.int64), row.pos, where]
-    return torch.from_numpy(np.stack(arrays)).to(device)
+    return upload(torch.from_numpy(np.stack(arrays)), device)
 
 def unpack_row(packed):
     return dict(zip(ROW_FIELDS, packed))
@@ -530,6 +540,9 @@ if role == "target":
     inflight, forwards = [], []
     for step, kind, r in schedule(start_step):
         if kind in ("eval", "train"):
+            # the host waits for this GPU's previous row (and for the send it waits on) before it
+            # queues the next: rows in flight stay bounded, as their features stay allocated
+            sync()
             t0 = mark()
             feats, packed = load_row(kind, r)
             forwards.append((t0, mark()))
@@ -659,6 +672,8 @@ def save_checkpoint(step):
     # atomic: a crash mid-write leaves the previous checkpoint intact
     os.replace(tmp, ckpt_path)
     drafter.save_pretrained(os.path.join(args.out, "drafter"))
+    if run:
+        run.summary["drafter"] = os.path.abspath(os.path.join(args.out, "drafter"))
     print0(f"step {step}: saved {ckpt_path} and {args.out}/drafter/ (z-lab format)")
 
 def reduce_drafters(t):
@@ -686,12 +701,42 @@ def unpack_metrics(packed):
     return values
 
 log_file = open(os.path.join(args.out, "log.jsonl"), "a") if rank == log_rank else None
+run = None
+if args.wandb and rank == log_rank:
+    # the config: the args and the banner's facts
+    try:
+        run = wandb.init(project=args.wandb, name=args.wandb_name, config=dict(
+            vars(args), world=world, pairs=n_pairs, devices=[i["device"] for i in infos],
+            torch=torch.__version__, triton=triton_version, target_layers=tcfg.num_hidden_layers,
+            taps=taps, drafter_layout=dcfg.layer_types, drafter_params=n_params,
+            row_capacity=row_anchors, steps=max_steps, self_check=self_check))
+    except wandb.errors.Error as e:     # e.g. no API key
+        sys.exit(f"error: --wandb {args.wandb}: {e} (or log offline: WANDB_MODE=offline)")
+
 def log(record, line):
     # the record first: a step a user saw on screen is on disk too, whatever kills the job next
+    record.setdefault("elapsed_s", round(time.perf_counter() - t_launch, 2))
     if log_file:
         log_file.write(json.dumps(record) + "\n")
         log_file.flush()
+    if run and record["kind"] in ("train", "eval", "generate"):
+        # W&B: one key per number, "train/loss", "eval/slot_acc/3"
+        kind = record["kind"]
+        run.log({f"{kind}/{k}" + (f"/{i}" if isinstance(v, list) else ""): x
+                 for k, v in record.items() if k not in ("kind", "step")
+                 for i, x in enumerate(v if isinstance(v, list) else [v])
+                 if isinstance(x, (int, float))}, step=record["step"])
     print0(line)
+
+def hms(seconds):
+    s = int(seconds)
+    d, h, m = s // 86400, s // 3600 % 24, s // 60 % 60
+    return (f"{d}d{h:02d}h" if d else f"{h}h{m:02d}m" if h else f"{m}m{s % 60:02d}s" if m
+            else f"{s}s")
+
+def events_after(step, interval):
+    # evals or saves the schedule has left after `step`: every interval-th step, and the last
+    return max_steps // interval - step // interval + (max_steps % interval > 0)
 
 params = list(drafter.parameters())
 train_sums = torch.zeros(sum(METRICS.values()), device=device)
@@ -701,13 +746,21 @@ nonfinite_rows = torch.zeros(args.log_interval, 3, dtype=torch.long, device=devi
 step_marks, n_window = [], 0
 fused_checked = not cuda or args.no_compile
 t_start = t_window = time.perf_counter()
+# the ETA: plain steps at their mean time so far, plus the evals and saves still to come at their
+# last cost; one-offs (the compiling first step, the profiled step, evals, saves) are timed apart
+oneoff_s, oneoff_steps, eval_times, save_times = 0.0, 0, [], []
 
 for step, kind, r in schedule(start_step):
     if kind == "save":
         if rank == log_rank:
+            t0 = time.perf_counter()
             save_checkpoint(step)
+            save_times.append(time.perf_counter() - t0)
+            oneoff_s += save_times[-1]
 
     elif kind == "eval":
+        if r == 0:
+            t_eval = time.perf_counter()
         feats, row = next_row("eval", r)
         torch.manual_seed(args.seed + 7919 * r)      # the same held-out anchors at every eval
         anchors, keep, blocks, wanted = draw_anchors(row)
@@ -725,8 +778,11 @@ for step, kind, r in schedule(start_step):
             log(rec, f"eval step {step}: loss {rec['loss']:.4f} | accept {rec['accept']:.3f} | "
                      f"slot acc {' '.join(f'{a:.2f}' for a in slot_acc)}")
             eval_accept = rec["accept"]
+            eval_times.append(time.perf_counter() - t_eval)
+            oneoff_s += eval_times[-1]
 
     elif kind == "train":
+        t_host = time.perf_counter()
         t0 = mark()
         feats, row = next_row("train", None)
         t1 = mark()
@@ -761,8 +817,15 @@ for step, kind, r in schedule(start_step):
                 # warm: from now on a recompile is an error
                 torch._dynamo.config.error_on_recompile = True
         if prof:
-            prof.__exit__(None, None, None)
-            kernels, fused = flex_backward_kernels(prof, kinds=len(dcfg.windows()))
+            # a profiler that records CUDA activity only warns, as it stops, that it could not
+            # match the host's op events to kernels ("Failed to recover relationship between all
+            # profiler and kineto events", torch/csrc/profiler/collection.cpp); only kernel
+            # names are read here
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="Failed to recover relationship between "
+                                        "all profiler and kineto events")
+                prof.__exit__(None, None, None)
+                kernels, fused = flex_backward_kernels(prof, kinds=len(dcfg.windows()))
             if not fused:
                 raise RuntimeError(
                     "the first step did not run a fused flex_attention backward kernel for each "
@@ -771,6 +834,10 @@ for step, kind, r in schedule(start_step):
             print0(f"step {step}: fused flex_attention backward verified "
                    f"(profiler saw {', '.join(kernels)})")
             fused_checked = True
+        if step == start_step or prof:
+            sync()
+            oneoff_s += time.perf_counter() - t_host
+            oneoff_steps += 1
         train_sums += pack_metrics(out, wanted, nonfinite, gnorm)
         nonfinite_rows[n_window, 0] = nonfinite                     # device copies, no host sync
         nonfinite_rows[n_window, 1:] = row["where"][:2]
@@ -798,6 +865,15 @@ for step, kind, r in schedule(start_step):
                          "Lower --lr or check the data")
         rows_done = n_window * n_pairs
         step_ms = seconds * 1e3 / n_window
+        now = time.perf_counter()
+        elapsed = now - t_launch
+        step_s = (now - t_start - oneoff_s) / max(step + 1 - start_step - oneoff_steps, 1)
+        # before a warm eval is timed (the first one compiled): a row costs at most a train step
+        eval_s = eval_times[-1] if len(eval_times) > 1 else len(eval_rows) * step_s
+        save_s = save_times[-1] if save_times else 0.0
+        evals_left = events_after(step, args.eval_interval) if eval_rows else 0
+        saves_left = events_after(step, args.save_interval)
+        eta = (max_steps - step - 1) * step_s + evals_left * eval_s + saves_left * save_s
         target_ms = stats[target_ranks, 0].max().item()
         # a split pair's target layers K..last, on the drafter GPU (its local_ms)
         moved_ms = stats[[r + half for r in target_ranks], 0].max().item() if split else 0.0
@@ -822,7 +898,8 @@ for step, kind, r in schedule(start_step):
                    busy_drafter=(drafter_ms + moved_ms) / step_ms,
                    mem_gib=stats[:, 1].tolist(),
                    # compiled on this rank so far
-                   graphs=torch._dynamo.utils.counters["stats"]["unique_graphs"])
+                   graphs=torch._dynamo.utils.counters["stats"]["unique_graphs"],
+                   elapsed_s=round(elapsed, 2), eta_s=round(eta, 2))
         log(rec, f"step {rec['step']}/{max_steps} | ep {rec['epoch']:.2f} | "
                  f"loss {rec['loss']:.4f} | accept {rec['accept']:.3f} | lr {rec['lr']:.2e} | "
                  f"gnorm {rec['gnorm']:.2f} | "
@@ -832,7 +909,12 @@ for step, kind, r in schedule(start_step):
                  f"{f'+{moved_ms:.0f}' if split else ''} wait {wait_ms:.0f} "
                  f"drafter {drafter_ms:.0f} busy {rec['busy_target']:.0%} "
                  f"{rec['busy_drafter']:.0%} | "
-                 f"mem GiB {' '.join(f'{x:.1f}' for x in rec['mem_gib'])}")
+                 f"mem GiB {' '.join(f'{x:.1f}' for x in rec['mem_gib'])} | "
+                 f"{hms(elapsed)} elapsed, ETA {hms(eta)}")
+        if step + 1 - start_step <= args.log_interval:
+            print0(f"expected run length: {hms(elapsed + eta)} ({max_steps - start_step} "
+                   f"steps of {step_s * 1e3:.0f} ms, {evals_left} evals of {eval_s:.1f} s, "
+                   f"{saves_left} saves of {save_s:.1f} s to go)")
         train_sums.zero_(), nonfinite_rows.zero_()
         step_marks, local_forwards, n_window, t_window = [], [], 0, time.perf_counter()
 
@@ -864,3 +946,6 @@ if world > 1:
     print0(f"end: drafter weights identical across {n_pairs} drafter(s): max abs diff {diff:.3g}")
     dist.barrier()
     dist.destroy_process_group()
+log(dict(kind="end", step=max_steps), f"done: {hms(time.perf_counter() - t_launch)} in all")
+if run:
+    run.finish()
