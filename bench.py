@@ -338,7 +338,8 @@ elif args.what in ("drafter", "sweep"):
         step()
         torch.cuda.synchronize()
         compile_s = time.time() - t0
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA],
+                                    acc_events=True) as prof:   # as train.py: no spurious warning
             step()
             torch.cuda.synchronize()
         kernels, fused = flex_backward_kernels(prof, kinds=len(dcfg.windows()))

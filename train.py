@@ -794,7 +794,10 @@ for step, kind, r in schedule(start_step):
         # around compilation would also record every autotuning kernel)
         prof = None
         if not fused_checked and step > start_step:
-            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+            # acc_events: torch <= 2.12 warns "Profiler clears events at the end of each cycle"
+            # even without a schedule (fixed by pytorch#180387); one cycle here, so it changes nothing
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA],
+                                          acc_events=True)
             prof.__enter__()
         anchors, keep, blocks, wanted = draw_anchors(row)
         out = train_step(feats, row, anchors, keep, blocks)
