@@ -216,8 +216,9 @@ if rank == log_rank:
     elif not args.resume and os.path.exists(ckpt_path):
         sys.exit(f"error: --out {args.out} holds a run ({ckpt_path}); continue it with --resume, "
                  "start over with --overwrite, or pick another --out")
-    # what a stopped run was writing: no live run has them (we hold the lock)
-    stale = glob.glob(ckpt_path + ".tmp-*") + glob.glob(os.path.join(args.out, "drafter", ".tmp-*"))
+    # what a stopped run was writing (ours: .tmp-PID; safetensors' own: .tmpXXXXXX): no live run
+    # writes them, we hold the lock
+    stale = glob.glob(ckpt_path + ".tmp-*") + glob.glob(os.path.join(args.out, "drafter", ".tmp*"))
     for p in stale:
         os.remove(p)
     if stale:
@@ -256,10 +257,11 @@ most_anchors = min(budget - 1, 4 * budget // block_size)
 row_anchors = max(8, min(row_anchors, most_anchors))
 # supervised tokens per epoch, and those past --budget in their sample (lost to truncation)
 supervised, lost = train_ds.n_supervised, packer.truncated_supervised()
-nothing = ("its loss mask is all zero" if supervised == 0 else
-           f"all its supervised tokens lie past --budget {budget} in their samples (truncated)"
+nothing = ("its loss mask is all zero; check the loss_mask of its input lines" if supervised == 0
+           else f"all its supervised tokens lie past --budget {budget} in their samples "
+           f"(truncated); raise --budget (longest sample: {train_ds.lengths.max()} tokens)"
            if lost == supervised else "no supervised token whose next token is supervised too "
-           f"(an anchor) in its first {len(demand)} rows")
+           f"(an anchor) in its first {len(demand)} rows; check its loss_mask")
 
 try:
     import triton
@@ -626,8 +628,10 @@ def save_checkpoint(step):
     # the export first: a run stopped between the two leaves an export at least as new as the
     # checkpoint, and --resume redoes both
     tmp = ckpt_path + f".tmp-{os.getpid()}"
+    where = os.path.join(args.out, "drafter")
     try:
-        drafter.save_pretrained(os.path.join(args.out, "drafter"), step=step)
+        drafter.save_pretrained(where, step=step)
+        where = tmp
         # through a Python file: a failed write then carries its errno (torch.save(path) says only
         # "unexpected pos")
         with open(tmp, "wb") as f:
@@ -644,8 +648,8 @@ def save_checkpoint(step):
             raise
         if os.path.exists(tmp):
             os.remove(tmp)      # a full disk stays full otherwise
-        sys.exit(f"error: --out {args.out}: cannot save step {step}: {err}; free space or fix "
-                 f"permissions, then continue with --resume --out {args.out}")
+        sys.exit(f"error: --out {args.out}: cannot write {where} (step {step}): {err}; free space "
+                 f"or fix permissions, then continue with --resume --out {args.out}")
     print0(f"step {step}: saved {ckpt_path} and {args.out}/drafter/ (z-lab format)")
 
 def reduce_drafters(t):
@@ -784,10 +788,11 @@ for step, kind, r in schedule(start_step):
         n_bad = int(m["nonfinite"])
         flags = nonfinite_rows[:n_window].tolist()
         if n_bad:
-            rows = [[step + 1 - n_window + i, epoch, index]
+            # steps counted as in the train records (step k: the k-th update)
+            rows = [[step + 2 - n_window + i, epoch, index]
                     for i, (bad, epoch, index) in enumerate(flags) if bad]
-            log(dict(kind="nonfinite", step=step, rows=rows),
-                f"step {step}: non-finite loss or grad norm, update skipped at (step, epoch, row) "
+            log(dict(kind="nonfinite", step=step + 1, rows=rows),
+                f"step {step + 1}: non-finite loss or grad norm, update skipped at (step, epoch, row) "
                 f"{rows} on this rank; {n_bad} in the last {n_window} steps on all drafters")
             if n_bad * 2 > n_window * n_pairs:
                 sys.exit(f"error: {n_bad} of the last {n_window} steps were non-finite; stopping. "
