@@ -254,6 +254,10 @@ def main(argv=None):
     ap.add_argument("--seed", type=number(int, 0), default=0,
                     help="seed of --random-prompts and of --drafter random")
     args = ap.parse_args(argv)
+    try:
+        eos = [int(x) for x in args.eos.split(",")] if args.eos else None
+    except ValueError:
+        sys.exit(f"error: --eos {args.eos}: comma-separated token ids, e.g. --eos 248046,248044")
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -293,10 +297,7 @@ def main(argv=None):
             target = Target.from_pretrained(args.target, device=device, dtype=dtype)
     except (ValueError, KeyError, FileNotFoundError) as e:
         sys.exit(f"error: --target {args.target}: {e}")
-    try:
-        eos = [int(x) for x in args.eos.split(",")] if args.eos else hf_eos(args.target)
-    except ValueError:
-        sys.exit(f"error: --eos {args.eos}: comma-separated token ids, e.g. --eos 248046,248044")
+    eos = hf_eos(args.target) if eos is None else eos
 
     if args.random_prompts:
         g = torch.Generator().manual_seed(args.seed)
