@@ -493,7 +493,8 @@ def test_resume_with_safe_changes_trains_the_planned_rows(tmp_path):
     """Killed after its step-10 checkpoint, resumed with another --lr, --log-interval and process
     count (2 processes: still one pair): every step trains the row of the data plan (data.Packer
     replayed here), across an epoch boundary; the log read by README's rule is one clean run."""
-    flags = ["--budget", 1024, "--max-steps", 30, "--save-interval", 10, *FAST]
+    # rows of 1024 tokens: 25 per epoch; one anchor per document keeps the steps cheap
+    flags = ["--budget", 1024, "--anchors", 1, "--max-steps", 30, "--save-interval", 10, *FAST]
     p = start(tmp_path, *flags)
     for line in p.stdout:
         if line.startswith("step 13/"):
