@@ -9,6 +9,7 @@ target -> drafter.
   torchrun --nproc_per_node=2 train.py --target qwen3.6-27b --anchors 512 --budget 8192  # preset
 """
 import argparse
+import errno
 import fcntl
 import getpass
 import glob
@@ -204,7 +205,11 @@ if rank == log_rank:
         sys.exit(f"error: --out {args.out} is in use: pid {lock.read().strip() or '?'} holds "
                  f"{lock.name}; wait for that run to end, or pick another --out")
     except OSError as e:
-        sys.exit(f"error: --out {args.out}: {e}")
+        # a file system without locks (Lustre mounted without -o flock): go on, unguarded
+        if e.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP):
+            sys.exit(f"error: --out {args.out}: {e}")
+        print0(f"warning: --out {args.out}: no file locks here ({e.strerror}); nothing keeps a "
+               "second run out of it")
     lock.truncate(0), lock.write(f"{os.getpid()}\n"), lock.flush()
     if args.resume and args.overwrite:
         sys.exit("error: --resume continues the run in --out, --overwrite deletes it: pick one")
@@ -218,7 +223,9 @@ if rank == log_rank:
                  "start over with --overwrite, or pick another --out")
     # what a stopped run was writing (ours: .tmp-PID; safetensors' own: .tmpXXXXXX): no live run
     # writes them, we hold the lock
-    stale = glob.glob(ckpt_path + ".tmp-*") + glob.glob(os.path.join(args.out, "drafter", ".tmp*"))
+    here = glob.escape(args.out)
+    stale = [p for pattern in ("ckpt.pt.tmp-*", os.path.join("drafter", ".tmp*"))
+             for p in glob.glob(os.path.join(here, pattern))]
     for p in stale:
         os.remove(p)
     if stale:
@@ -792,8 +799,8 @@ for step, kind, r in schedule(start_step):
             rows = [[step + 2 - n_window + i, epoch, index]
                     for i, (bad, epoch, index) in enumerate(flags) if bad]
             log(dict(kind="nonfinite", step=step + 1, rows=rows),
-                f"step {step + 1}: non-finite loss or grad norm, update skipped at (step, epoch, row) "
-                f"{rows} on this rank; {n_bad} in the last {n_window} steps on all drafters")
+                f"step {step + 1}: non-finite loss or grad norm, update skipped at (step, epoch, "
+                f"row) {rows} on this rank; {n_bad} in the last {n_window} steps on all drafters")
             if n_bad * 2 > n_window * n_pairs:
                 sys.exit(f"error: {n_bad} of the last {n_window} steps were non-finite; stopping. "
                          "Lower --lr or check the data")
