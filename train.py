@@ -692,13 +692,13 @@ def log(record, line):
     print0(line)
 
 # every start and resume: what a resumed run's later records supersede (README: Reading the log)
+line = f"start: logging to {args.out}/log.jsonl"
+if args.resume:
+    line = (f"resume: step {start_step} of {ckpt_path}; changed: "
+            + (", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items()) or "nothing"))
+truncated = dict(samples=packer.truncated, tokens=packer.truncated_tokens, supervised=lost)
 log(dict(kind="start", step=start_step, resume=args.resume, processes=world, pairs=n_pairs,
-         changed=changed, args=vars(args), truncated=dict(samples=packer.truncated,
-                                                          tokens=packer.truncated_tokens,
-                                                          supervised=lost)),
-    f"resume: step {start_step} of {ckpt_path}; changed: " + (", ".join(
-        f"{k} {a} -> {b}" for k, (a, b) in changed.items()) or "nothing") if args.resume else
-    f"start: logging to {args.out}/log.jsonl")
+         changed=changed, args=vars(args), truncated=truncated), line)
 
 params = list(drafter.parameters())
 train_sums = torch.zeros(sum(METRICS.values()), device=device)
