@@ -19,6 +19,14 @@ GPU checks and measurements (needs CUDA and fla-core; not part of the CPU test s
       # runs train.py itself: both roles in one process on GPU 0 (each role timed alone), then one
       # pair on GPUs 0-1 under torchrun; prints one table with MFU against the measured bf16
       # matmul peak (--target qwen3.5-35b-a3b: the MoE pair)
+  python bench.py split --mix long          # one GPU: train.py --split-layer auto's measurements
+                                             # (per-layer target ms, the drafter step at the
+                                             # capacity train.py picks) and its choice: predicted
+                                             # step and busy shares, unsplit and split
+  python bench.py pair --mix long --split-layer 0   # (or auto, the default) unsplit vs split pair
+  python bench.py prepare --tokenizer /ckpt/Qwen3.6-27B --mb 1024 --prep-workers 1,16
+      # CPU only: data.py prepare on 1 GB of chat JSONL (written once to --out: slices of the
+      # installed torch's .py files, thinking + answer per line): tokens/s per --workers value
   python bench.py load
       # writes (once, to --out/fp8-27b) a block-FP8 copy of random qwen3.6-27b tensors in the
       # official -FP8 layout (~30 GB, 128x128 scales), then times Target.from_pretrained of it onto
@@ -38,20 +46,24 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 import target as target_module
-from target import Target, TargetConfig, positions_from_cu
+from target import Target, TargetConfig, choose_split, positions_from_cu
 from model import Drafter, DrafterConfig, sample_anchors, block_lists
 from model import flex_backward_kernels, flex_kernel_options, flex_matches_dense
 
 p = argparse.ArgumentParser(description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
-p.add_argument("what", choices=["check", "target", "drafter", "sweep", "pair", "load"])
+p.add_argument("what", choices=["check", "target", "drafter", "sweep", "pair", "split", "load",
+                                  "prepare"])
 p.add_argument("--anchors", type=int, default=512,
                help="draft blocks per row (drafter, sweep); per document (pair)")
 p.add_argument("--row-anchors", type=int, default=0,
                help="pair mode: train.py --row-anchors (0: measured from the data)")
+p.add_argument("--split-layer", default=None,
+               help="pair mode: train.py --split-layer of the 2-GPU run (K, 0 or auto; default: "
+               "train.py's, auto)")
 p.add_argument("--mix", choices=["short", "long"], default="short",
-               help="pair mode: synthetic documents of 1-3K (short) or 4-8K (long) tokens, loss on "
-               "the second half of each")
+               help="pair and split modes: synthetic documents of 1-3K (short) or 4-8K (long) "
+               "tokens, loss on the second half of each")
 p.add_argument("--budget", type=int, default=8192, help="tokens per row")
 p.add_argument("--target", default="qwen3.6-27b",
                help="target preset, random weights (target, drafter, sweep, pair): qwen3.6-27b or "
@@ -72,6 +84,12 @@ p.add_argument("--shapes",
                                 for n in (128, 256, 512, 1024)),
                help="sweep mode: anchors x budget (tokens) pairs, comma-separated")
 p.add_argument("--docs", type=int, default=4, help="documents per row (target, drafter)")
+p.add_argument("--tokenizer", default=None,
+               help="prepare mode: checkpoint dir (tokenizer.json + chat template), e.g. "
+               "/ckpt/Qwen3.6-27B")
+p.add_argument("--mb", type=int, default=1024, help="prepare mode: MB of chat JSONL to prepare")
+p.add_argument("--prep-workers", default="1,16",
+               help="prepare mode: data.py prepare --workers values to time, comma-separated")
 p.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "dflash-bench"),
                help="scratch dir")
 args = p.parse_args()
@@ -129,6 +147,25 @@ def doc_pos(cu):
     # carries them
     doc = torch.repeat_interleave(torch.arange(len(cu) - 1), cu.diff()).to(dev)
     return doc, positions_from_cu(cu).to(dev)
+
+def mix_data(tcfg):
+    """Synthetic data with the real shapes (pair, split): documents of 1-3K (short) or 4-8K (long)
+    tokens, loss on their second half; written once to --out/data-MIX."""
+    from data import write_dataset
+    data = os.path.join(args.out, f"data-{args.mix}")
+    if not os.path.exists(os.path.join(data, "train", "meta.json")):
+        rng = np.random.default_rng(0)
+        lo, hi = (1024, 3072) if args.mix == "short" else (4096, 8192)
+        def samples(n):
+            for _ in range(n):
+                L = int(rng.integers(lo, hi))
+                yield (rng.integers(0, tcfg.vocab_size, L).astype(np.uint32),
+                       (np.arange(L) >= L // 2).astype(np.uint8))
+        write_dataset(os.path.join(data, "train"), samples(400), vocab_size=tcfg.vocab_size,
+                      force=True)
+        write_dataset(os.path.join(data, "val"), samples(8), vocab_size=tcfg.vocab_size,
+                      force=True)
+    return data
 
 if args.what == "check":
     # 1) the fla-core path (bf16) against the plain-torch path (fp32) on a packed row, real head
@@ -326,23 +363,8 @@ elif args.what in ("drafter", "sweep"):
     print("\n".join(splits))
 
 elif args.what == "pair":
-    from data import write_dataset
     tcfg = TargetConfig.preset(args.target)
-    # synthetic data with the real shapes: documents of 1-3K (short) or 4-8K (long) tokens, loss on
-    # their second half
-    data = os.path.join(args.out, f"data-{args.mix}")
-    if not os.path.exists(os.path.join(data, "train", "meta.json")):
-        rng = np.random.default_rng(0)
-        lo, hi = (1024, 3072) if args.mix == "short" else (4096, 8192)
-        def samples(n):
-            for _ in range(n):
-                L = int(rng.integers(lo, hi))
-                yield (rng.integers(0, tcfg.vocab_size, L).astype(np.uint32),
-                       (np.arange(L) >= L // 2).astype(np.uint8))
-        write_dataset(os.path.join(data, "train"), samples(400), vocab_size=tcfg.vocab_size,
-                      force=True)
-        write_dataset(os.path.join(data, "val"), samples(8), vocab_size=tcfg.vocab_size,
-                      force=True)
+    data = mix_data(tcfg)
     common = ["train.py", "--target", args.target, "--data", data,
               "--anchors", str(args.anchors), "--row-anchors", str(args.row_anchors),
               "--budget", str(args.budget), "--max-steps", str(args.steps),
@@ -352,7 +374,9 @@ elif args.what == "pair":
         common += ["--sliding-window", str(args.sliding_window)]
     if args.drafter_layers is not None:
         common += ["--drafter-layers", str(args.drafter_layers)]
-    runs = {"one": [sys.executable] + common, "pair": ["torchrun", "--nproc_per_node=2"] + common}
+    split = [] if args.split_layer is None else ["--split-layer", args.split_layer]
+    runs = {"one": [sys.executable] + common,
+            "pair": ["torchrun", "--nproc_per_node=2"] + common + split}
     recs = {}
     for name in args.runs.split(","):
         if name not in runs:
@@ -402,21 +426,119 @@ elif args.what == "pair":
           f"target {args.target} | drafter layers {dcfg.layer_types} | {time.strftime('%Y-%m-%d')}")
     print("| measure | value |\n|---|---|")
     for name, r in recs.items():
-        mfu_t = tfl / (r["ms_target"] * 1e-3) / peak
+        # a split pair's target forward is two parts, on two GPUs one after the other
+        moved = r.get("ms_target_on_drafter", 0)
+        mfu_t = tfl / ((r["ms_target"] + moved) * 1e-3) / peak
         mfu_d = drafter_flops(r) / (r["ms_drafter"] * 1e-3) / peak
         print(f"| {name}: step | {r['ms_step']:.0f} ms: {r['tok_s']:.0f} context tok/s, "
               f"{r['blocks_s']:.0f} supervised blocks/s, "
               f"{r['drafted_tok_s']:.0f} drafted tokens/s |")
         print(f"| {name}: anchors per row (capacity), cut by it, padded | {r['anchors_row']:.0f} "
               f"({r['row_anchors']}), {r['anchors_cut']} in the window, {r['pad_frac']:.0%} |")
+        on_drafter = f" + {moved:.0f} on the drafter GPU (layers {r['split_layer']}..)"
         print(f"| {name}: target fwd / drafter wait / drafter step | "
-              f"{r['ms_target']:.0f} (MFU {mfu_t:.0%}) / "
+              f"{r['ms_target']:.0f}{on_drafter if moved else ''} (MFU {mfu_t:.0%}) / "
               f"{r['ms_wait']:.0f} / {r['ms_drafter']:.0f} ms (MFU {mfu_d:.0%}) |")
         print(f"| {name}: busy target GPU / drafter GPU | "
               f"{r['busy_target']:.0%} / {r['busy_drafter']:.0%} |")
         print(f"| {name}: peak memory per GPU | "
               f"{' / '.join(f'{m:.1f}' for m in r['mem_gib'])} GiB |")
         print(f"| {name}: compiled graphs on the drafter rank (train + eval) | {r.get('graphs')} |")
+
+elif args.what == "split":
+    # what train.py --split-layer auto would choose for a pair, measured as train.py measures it but
+    # on one GPU (both roles in turn): predictions, not a two-GPU run
+    from data import open_dataset, Packer
+    tcfg = TargetConfig.preset(args.target)
+    dcfg = DrafterConfig.from_target(tcfg, num_hidden_layers=args.drafter_layers,
+                                     sliding_window=args.sliding_window)
+    taps, S, B = dcfg.target_layer_ids, args.budget, dcfg.block_size
+    last = max(taps)
+    ds = open_dataset(os.path.join(mix_data(tcfg), "train"))
+    # the row capacity train.py picks (its anchors section): the 90th percentile of what the first
+    # 512 rows ask for, a multiple of 8, at least 8
+    probe = Packer(ds, S, seed=0)
+    demand = [int(sample_anchors(torch.from_numpy(row.loss_mask), torch.from_numpy(row.doc),
+                                 args.anchors, 1)[2])
+              for row in (probe.next_row() for _ in range(min(512, probe.steps_per_epoch)))]
+    N = args.row_anchors or int(-(-np.percentile(demand, 90) // 8) * 8)
+    N = max(8, min(N, S - 1, 4 * S // B))
+    # train.py's rows: one pair's first 4 (after one warm-up), as tensors on the GPU
+    packer = Packer(ds, S, seed=0)
+    rows = [packer.next_row() for _ in range(4)]
+    on_dev = lambda x: torch.from_numpy(x.astype(np.int64)).to(dev)
+    # 1) the target: every layer up to the last tap, per-layer ms (median over the rows) and the
+    # activation peak of the largest
+    target = Target.build(tcfg, device=dev, dtype=torch.bfloat16, n_layers=last + 1, head=False)
+    target.features(on_dev(rows[0].tokens), torch.from_numpy(rows[0].cu_seqlens), taps)
+    runs = [target.time_layers(on_dev(r.tokens), torch.from_numpy(r.cu_seqlens), last + 1)
+            for r in rows]
+    layer_ms = np.median([ms for ms, _ in runs], 0)
+    act = max(max(a) for _, a in runs)
+    weights = [sum(p.numel() * p.element_size() for p in layer.parameters())
+               for layer in target.layers]
+    del target
+    torch.cuda.empty_cache()
+    # 2) the drafter step as train.py times it: compiled, forward + backward + clip, no optimizer
+    # step; zero features (the cost does not depend on their values)
+    tgt = Target.build(tcfg, device=dev, dtype=torch.bfloat16, n_layers=0)   # embed + lm_head
+    torch.manual_seed(0)
+    d = Drafter(dcfg).to(dev)
+    flex = flex_kernel_options(dev)
+    feats = torch.zeros(S, len(taps) * tcfg.hidden_size, device=dev, dtype=torch.bfloat16)
+    def graph(tokens, lm, doc, pos, anchors, keep, blocks):    # as train.py's drafter_step
+        with torch.autocast("cuda", torch.bfloat16):
+            return d(feats, tokens, lm, doc, pos, anchors, keep, tgt.embed_tokens.weight,
+                     tgt.lm_head.weight, 7.0, flex, blocks)
+    graph = torch.compile(graph, fullgraph=True, dynamic=False)
+    step_ms = []
+    for i, r in enumerate([rows[0], *rows]):                   # the first compiles
+        if i == 1:      # as train.py: the peak of a step, not of compiling (autotuning) it
+            torch.cuda.reset_peak_memory_stats()
+        tokens, lm, doc, pos = (on_dev(x) for x in (r.tokens, r.loss_mask, r.doc, r.pos))
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        anchors, keep, _ = sample_anchors(lm, doc, args.anchors, N)
+        out = graph(tokens, lm, doc, pos, anchors, keep, block_lists(dcfg, anchors, keep, doc, S))
+        out["loss"].backward()
+        torch.nn.utils.clip_grad_norm_(d.parameters(), 1.0)
+        b.record()
+        torch.cuda.synchronize()
+        step_ms.append(a.elapsed_time(b))
+        d.zero_grad(set_to_none=True)
+    adam = 2 * sum(p.numel() * p.element_size() for p in d.parameters())
+    held = torch.cuda.max_memory_allocated() + adam
+    # 3) train.py's choice (its agree_split, one pair): the same function, the same memory terms
+    usable = 0.9 * torch.cuda.get_device_properties(dev).total_memory
+    extra = len(taps) * S * tcfg.hidden_size * 2 + act
+    c = choose_split([layer_ms], [np.median(step_ms[1:])], weights, [held + extra], [usable])
+    K, gib = c["K"], 2**30
+    kinds = {k: [m for m, t in zip(layer_ms, tcfg.layer_types) if t == k]
+             for k in ("linear_attention", "full_attention")}
+    print(f"\n{torch.cuda.get_device_name()} | torch {torch.__version__} | {args.target} | "
+          f"--budget {S} --anchors {args.anchors} (capacity {N}) | {args.mix} documents | "
+          f"drafter layers {dcfg.layer_types} | {time.strftime('%Y-%m-%d')}")
+    print("target ms per layer 0..%d: %s" % (last, " ".join(f"{m:.1f}" for m in layer_ms)))
+    print("| measure | value |\n|---|---|")
+    print(f"| target layers 0..{last}, median of {len(rows)} rows | {layer_ms.sum():.0f} ms; per "
+          f"layer GDN {np.mean(kinds['linear_attention']):.1f} ms, full attention "
+          f"{np.mean(kinds['full_attention']):.1f} ms; {np.mean(weights) / gib:.2f} GiB of weights "
+          f"per layer, activations up to {act / gib:.2f} GiB |")
+    print(f"| drafter step (forward + backward + clip), capacity {N} anchors | "
+          f"{np.median(step_ms[1:]):.0f} ms; {held / gib:.1f} GiB with AdamW's state |")
+    cases = [("unsplit (--split-layer 0)", 0)] + [(f"--split-layer {K} (auto)", K)] * (K > 0)
+    for name, k in cases:
+        t, dr, st = c["target"][k, 0], c["drafter"][k, 0], c["step"][k]
+        print(f"| PREDICTED {name} | step {st:.0f} ms ({S / st * 1e3:.0f} context tok/s): target "
+              f"GPU {t:.0f} ms, drafter GPU {dr:.0f} ms; busy {t / st:.0%} / {dr / st:.0%}"
+              + (f"; drafter GPU {c['need'][k, 0] / gib:.1f} of {usable / gib:.1f} GiB usable"
+                 if k else "") + " |")
+    if c["fastest"] != K:
+        f = c["fastest"]
+        print(f"| PREDICTED --split-layer {f} (does not fit) | step {c['step'][f]:.0f} ms, "
+              f"needs {c['need'][f, 0] / gib:.1f} GiB |")
+    print(f"| PREDICTED speed-up of auto over unsplit | {c['step'][0] / c['step'][K]:.2f}x "
+          "rows/s |")
 
 elif args.what == "load":
     # the official -FP8 layout: model.language_model.* + lm_head, every decoder Linear weight but
@@ -532,3 +654,56 @@ print(json.dumps(dict(load_s=round(sec, 1), before={k: round(v, 2) for k, v in b
     print(f"| peak GPU memory / the bf16 weights | {r['gpu_peak_gib']} / {r['weights_gib']} GiB |")
     print(f"| layers.0.mlp.gate_proj == hand dequantization | "
           f"{r['gate_proj_equals_hand_dequant']} |")
+
+elif args.what == "prepare":
+    import glob
+    import resource
+    if not args.tokenizer:
+        sys.exit("error: bench.py prepare needs --tokenizer DIR (a checkpoint directory with "
+                 "tokenizer.json and a chat template)")
+    src = os.path.join(args.out, f"chat-{args.mb}mb.jsonl")
+    if not os.path.exists(src):
+        # real text, code and prose (~3.5 characters a token): the installed torch's .py files,
+        # cut into a ~1.7 KB question and an answer of ~9 KB thinking + ~3.5 KB text per line
+        files = glob.glob(os.path.join(os.path.dirname(torch.__file__), "**", "*.py"),
+                          recursive=True)
+        corpus = "".join(open(f, errors="replace").read() for f in sorted(files))
+        rng, size = np.random.default_rng(0), 0
+
+        def cut(lo, hi):
+            n = int(rng.integers(lo, hi))
+            a = int(rng.integers(0, len(corpus) - n))
+            return corpus[a:a + n]
+        os.makedirs(args.out, exist_ok=True)
+        with open(src + ".tmp", "w") as f:
+            while size < args.mb * 2**20:
+                line = json.dumps({"messages": [
+                    {"role": "user", "content": cut(500, 3000)},
+                    {"role": "assistant", "reasoning_content": cut(2000, 16000),
+                     "content": cut(1000, 6000)}]}) + "\n"
+                f.write(line)
+                size += len(line)
+        os.rename(src + ".tmp", src)
+    print(f"data.py prepare, {os.path.getsize(src) / 2**20:.0f} MB of chat JSONL ({src}), "
+          f"--tokenizer {args.tokenizer} | {os.cpu_count()} CPUs | {time.strftime('%Y-%m-%d')}")
+    # M tokens per CPU-second: all processes' CPU time, which a loaded machine does not inflate
+    print("| --workers | seconds | tokens | M tokens/s | M tokens per CPU-s | MB/s of JSONL | "
+          "hours per 3B tokens | peak MB of one process so far |\n" + "|---" * 8 + "|")
+    for w in map(int, args.prep_workers.split(",")):
+        # the command itself, in a fresh process: its peak memory is the largest of any process
+        out = os.path.join(args.out, f"prepared-{w}")
+        ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu0 = ru.ru_utime + ru.ru_stime
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                     "data.py"), "prepare", "--input", src,
+                        "--out", out, "--tokenizer", args.tokenizer, "--workers", str(w),
+                        "--force"], check=True, capture_output=True)
+        dt = time.perf_counter() - t0
+        with open(os.path.join(out, "train", "meta.json")) as f:
+            n = json.load(f)["n_tokens"]
+        ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu, peak = ru.ru_utime + ru.ru_stime - cpu0, ru.ru_maxrss >> 10
+        mb = os.path.getsize(src) / 2**20
+        print(f"| {w} | {dt:.1f} | {n} | {n / dt / 1e6:.2f} | {n / cpu / 1e6:.3f} | "
+              f"{mb / dt:.1f} | {3e9 / (n / dt) / 3600:.2f} | {peak} |")

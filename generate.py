@@ -5,8 +5,9 @@ target: the real acceptance length tau, and a check that both decodes give the s
 
   # demo: tiny target, demo held-out prompts
   python generate.py --drafter out/drafter --max-new-tokens 48
-  python generate.py --target /ckpt/Qwen3.6-27B --drafter out/drafter --prompts chats.jsonl \\
-      --tokenizer /ckpt/Qwen3.6-27B/tokenizer.json --max-new-tokens 512
+  python generate.py --target /ckpt/Qwen3.6-27B --drafter out/drafter --prompts gsm8k.jsonl \\
+      --tokenizer /ckpt/Qwen3.6-27B --chat-template-kwargs '{"enable_thinking": false}' \\
+      --max-new-tokens 512
   # GPU cost
   python generate.py --target qwen3.6-27b --drafter random --random-prompts 2 --prompt-len 1024
 
@@ -177,16 +178,16 @@ def dataset_prompts(data_dir, n, log=print):
         prompts.append(torch.from_numpy(tokens[:first].astype("int64")))
     return prompts
 
-def chat_prompts(path, tokenizer, n):
-    """JSONL lines {"messages": [...]}, rendered as `data.py prepare` renders them, a final
-    assistant message (a reference answer) dropped, then the assistant header the model answers
-    after."""
-    from data import _chat_encoder
-    encode, _ = _chat_encoder(tokenizer)
-    empty = {"role": "assistant", "content": ""}
-    tail_ids, tail_mask = encode([empty])
-    # the empty answer's <|im_end|> and the newline after it
-    n_tail = len(tail_ids) - tail_mask.index(1)
+def chat_prompts(path, tokenizer, n, kwargs=None):
+    """The first n JSONL prompts (messages, ShareGPT conversations or a prompt string, as
+    `data.py prepare` reads them) as the serving engine feeds them to the target: rendered by the
+    checkpoint's chat template with add_generation_prompt=True and the same template kwargs, a
+    final assistant message (a reference answer) dropped (data.Chat.prompt)."""
+    from data import Chat, DataError, _Bad
+    try:
+        chat = Chat(tokenizer, kwargs, cmd="generate.py --prompts")
+    except DataError as e:
+        raise SystemExit(f"error: {e}")
     prompts = []
     with open(path) as f:
         for lineno, line in enumerate(f, 1):
@@ -195,18 +196,11 @@ def chat_prompts(path, tokenizer, n):
             if not line.strip():
                 continue
             try:
-                msgs = json.loads(line)["messages"]
-                ok = len(msgs) > 0 and all(isinstance(m["role"], str)
-                                           and isinstance(m["content"], str) for m in msgs)
-            except (ValueError, KeyError, TypeError):
-                ok = False
-            if not ok:
-                raise SystemExit(f'error: {path}:{lineno}: a line must be '
-                                 '{"messages": [{"role": str, "content": str}, ...]}')
-            if msgs[-1]["role"] == "assistant":
-                msgs = msgs[:-1]
-            ids, _ = encode(msgs + [empty])
-            prompts.append(torch.tensor(ids[:-n_tail]))     # ends with "<|im_start|>assistant\n"
+                prompts.append(torch.from_numpy(chat.prompt(json.loads(line))))
+            except ValueError as e:
+                raise SystemExit(f"error: {path}:{lineno}: malformed JSON: {e}")
+            except _Bad as e:
+                raise SystemExit(f"error: {path}:{lineno}: {e.args[0]}: {e.args[1]}")
     return prompts
 
 def hf_eos(path):
@@ -225,6 +219,7 @@ def hf_eos(path):
 # -----------------------------------------------------------------------------
 
 def main(argv=None):
+    from data import _kwargs_arg
     ap = ArgParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="tiny",
                     help="HF checkpoint dir of a Qwen3.5/3.6 model, "
@@ -236,9 +231,15 @@ def main(argv=None):
     ap.add_argument("--data", default=None,
                     help="prepared dataset dir: prompts from DATA/val (the tokens before each "
                     "sample's first supervised token); default: the demo data in ./data/demo")
-    ap.add_argument("--prompts", default=None, help="JSONL of {\"messages\": [...]} chats instead "
-                    "(needs --tokenizer)")
-    ap.add_argument("--tokenizer", default=None, help="HF tokenizer.json for --prompts")
+    ap.add_argument("--prompts", default=None,
+                    help="JSONL of prompts instead (messages, ShareGPT conversations or "
+                    "{\"prompt\": str}; a final assistant message is dropped), rendered as the "
+                    "engine renders them; needs --tokenizer")
+    ap.add_argument("--tokenizer", default=None,
+                    help="checkpoint dir whose chat template and tokenizer.json render --prompts")
+    ap.add_argument("--chat-template-kwargs", type=_kwargs_arg, default={},
+                    help="JSON object of template variables for --prompts, e.g. "
+                    "'{\"enable_thinking\": false}': the ones you serve with")
     ap.add_argument("--random-prompts", type=number(int, 0), default=0,
                     help="instead: this many prompts of uniform random token ids "
                     "(cost measurements)")
@@ -304,13 +305,14 @@ def main(argv=None):
         prompts = [torch.randint(0, tcfg.vocab_size, (args.prompt_len,), generator=g)
                    for _ in range(args.random_prompts)]
     elif args.prompts and not args.tokenizer:
-        sys.exit("error: --prompts needs --tokenizer tokenizer.json "
-                 "(the chats are rendered to token ids)")
+        sys.exit("error: --prompts needs --tokenizer DIR (the checkpoint whose chat template "
+                 "renders the prompts)")
     else:
         data_dir = args.data or os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                              "data", "demo")
         try:               # a missing file, a broken dataset or tokenizer: one line naming it
-            prompts = (chat_prompts(args.prompts, args.tokenizer, args.num_prompts) if args.prompts
+            prompts = (chat_prompts(args.prompts, args.tokenizer, args.num_prompts,
+                                    args.chat_template_kwargs) if args.prompts
                        else dataset_prompts(data_dir, args.num_prompts))
         except (DataError, OSError) as e:
             sys.exit(f"error: {e}")

@@ -557,9 +557,10 @@ class Drafter(nn.Module):
         for k in sorted(want.keys() | weights.keys()):
             got, shape = weights.get(k), want[k].shape if k in want else None
             if got is None or shape is None or got.shape != shape:
-                raise ValueError(f"{files[1]} does not fit {files[0]}: tensor {k} is "
-                                 f"{tuple(got.shape) if got is not None else 'missing'}, the "
-                                 f"config makes it {tuple(shape) if shape is not None else 'absent'}")
+                have = tuple(got.shape) if got is not None else "missing"
+                need = tuple(shape) if shape is not None else "absent"
+                raise ValueError(f"{files[1]} does not fit {files[0]}: tensor {k} is {have}, the "
+                                 f"config makes it {need}")
         model.load_state_dict(weights)
         return model.to(device=device, dtype=dtype)
 

@@ -9,9 +9,11 @@ import functools
 import json
 import math
 import os
+import time
 import zlib
 from dataclasses import dataclass, fields
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -607,26 +609,30 @@ def dequantize_fp8(w, scale_inv, block, dtype, what="weight_scale_inv"):
     return W.to(dtype)
 
 class Target(nn.Module):
-    """Frozen hybrid target. Builds only what the caller needs: layers [0, n_layers) (up to the last
-    tapped one on a target rank; 0 on a drafter rank, which only borrows embed_tokens and lm_head)
-    and lm_head when head=True (target ranks never need it)."""
-    def __init__(self, config, n_layers=None, head=True):
+    """Frozen hybrid target. Builds only what the caller needs: layers [first, n_layers) (up to the
+    last tapped one on a target rank; none on a drafter rank, which borrows embed_tokens and
+    lm_head; K.. on the drafter rank of a pair split at layer K, which starts from the hidden state
+    it receives and so has no embed_tokens) and lm_head when head=True (target ranks never need
+    it). Names stay the checkpoint's: the layers below `first` are empty slots of self.layers."""
+    def __init__(self, config, n_layers=None, head=True, first=0):
         super().__init__()
         c = self.config = config
         self.n_layers = n_layers if n_layers is not None else c.num_hidden_layers
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList([TargetLayer(c, c.layer_types[i])
+        self.first = first
+        assert not (first and head), "a target from layer first > 0 has no embedding: head=False"
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size) if first == 0 else None
+        self.layers = nn.ModuleList([TargetLayer(c, c.layer_types[i]) if i >= first else None
                                      for i in range(self.n_layers)])
-        complete = self.n_layers == c.num_hidden_layers
+        complete = first == 0 and self.n_layers == c.num_hidden_layers
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, plus_one=True) if complete else None
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False) if head else None
         self.requires_grad_(False)
 
     @classmethod
-    def build(cls, config, device="cpu", dtype=torch.float32, n_layers=None, head=True):
+    def build(cls, config, device="cpu", dtype=torch.float32, n_layers=None, head=True, first=0):
         """Random weights (presets, tests): deterministic per tensor name, made tensor by tensor."""
         with torch.device("meta"):
-            model = cls(config, n_layers, head)
+            model = cls(config, n_layers, head, first)
         state = {}
         for name, p in model.named_parameters():
             fp32 = name.endswith(FP32_PARAMS)
@@ -654,7 +660,8 @@ class Target(nn.Module):
         return model
 
     @classmethod
-    def from_pretrained(cls, path, device="cpu", dtype=torch.bfloat16, n_layers=None, head=True):
+    def from_pretrained(cls, path, device="cpu", dtype=torch.bfloat16, n_layers=None, head=True,
+                        first=0):
         """Load an HF Qwen3.5/3.6 checkpoint dir (one model.safetensors, or shards with an index),
         reading only the tensors this rank needs, straight to `device` (the model is built on the
         meta device). Block-FP8 checkpoints (Qwen's -FP8 releases) are dequantized to `dtype` tensor
@@ -675,7 +682,7 @@ class Target(nn.Module):
         multimodal = any(k.startswith("model.language_model.") for k in where)
         prefix = "model.language_model." if multimodal else "model."
         with torch.device("meta"):
-            model = cls(config, n_layers, head)
+            model = cls(config, n_layers, head, first)
         params = dict(model.named_parameters())
         if config.tie_word_embeddings:
             # set to embed_tokens' tensor below: read (and dequantized) once
@@ -750,28 +757,67 @@ class Target(nn.Module):
         model.load_state_dict(state, assign=True)
         return model
 
-    def _run(self, ids, cu_seqlens, stop):
+    def _run(self, ids, cu_seqlens, stop, h=None):
         # ids [T] long (device), cu_seqlens [n+1] long on the CPU: boundaries of the packed
-        # documents
+        # documents. From the embedding of ids, or from h [T, hidden]: the hidden state entering
+        # layer self.first (a split pair's drafter rank)
         c = self.config
         cu_list = cu_seqlens.tolist()
-        pos = positions_from_cu(cu_seqlens).to(ids.device)
+        if h is None:
+            assert self.first == 0, f"layers {self.first}.. start from a hidden state: pass h"
+            h = self.embed_tokens(ids)
+        pos = positions_from_cu(cu_seqlens).to(h.device)
         rope = rope_cos_sin(pos, int(c.head_dim * c.partial_rotary_factor), c.rope_theta,
                             c.rope_scaling, c.max_position_embeddings)
-        cu = cu_seqlens.to(ids.device)
-        h = self.embed_tokens(ids)
-        for i in range(stop):
+        cu = cu_seqlens.to(h.device)
+        for i in range(self.first, stop):
             h = self.layers[i](h, rope, cu, cu_list)
             yield i, h
 
     @torch.inference_mode()
-    def features(self, ids, cu_seqlens, layer_ids):
+    def features(self, ids, cu_seqlens, layer_ids, stop=None, h=None):
         """Concatenated outputs of decoder layers `layer_ids` (HF hidden_states[i+1]) ->
-        [T, len * hidden]. Stops computing after the last requested layer."""
-        last = max(layer_ids)
-        assert last < self.n_layers, f"tapped layer {last} was not built (n_layers={self.n_layers})"
-        taps = {i: h for i, h in self._run(ids, cu_seqlens, last + 1) if i in layer_ids}
-        return torch.cat([taps[i] for i in layer_ids], dim=-1)
+        [T, len * hidden]. Stops computing after the last requested layer.
+        A pair split at layer K (train.py --split-layer) computes them in two parts: stop=K runs
+        layers 0..K-1 and returns (the taps below K [T, n_below * hidden], the hidden state after
+        layer K-1 [T, hidden]); a Target built from first=K, given that hidden state as h, runs
+        layers K.. and returns the taps from K on. Concatenated, the two parts are the features."""
+        end = stop if stop is not None else max(layer_ids) + 1
+        assert self.first < end <= self.n_layers, (f"layers {self.first}..{end - 1} were not "
+                                                    f"built (n_layers={self.n_layers})")
+        taps = {}
+        for i, out in self._run(ids, cu_seqlens, end, h):
+            if i in layer_ids:
+                taps[i] = out
+        feats = [taps[i] for i in layer_ids if i in taps]
+        feats = torch.cat(feats, dim=-1) if feats else out.new_empty(out.shape[0], 0)
+        return (feats, out) if stop is not None else feats
+
+    def time_layers(self, ids, cu_seqlens, stop):
+        """Per layer 0..stop-1 on one row (no warm-up: the caller runs one first): milliseconds
+        (CUDA events on GPU, the host clock on CPU; layer 0's include the embedding) and the
+        activation bytes it adds at its peak over what was allocated before it (0 on CPU)."""
+        cuda = ids.is_cuda
+        def mark():
+            if not cuda:
+                return time.perf_counter()
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        def reset():   # the allocator counts at launch: no sync needed
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(ids.device)
+            return torch.cuda.memory_allocated(ids.device) if cuda else 0
+        marks, act, before = [mark()], [], reset()
+        with torch.inference_mode():
+            for _ in self._run(ids, cu_seqlens, stop):
+                marks.append(mark())
+                act.append(torch.cuda.max_memory_allocated(ids.device) - before if cuda else 0)
+                before = reset()
+        if cuda:
+            torch.cuda.synchronize(ids.device)
+        ms = [a.elapsed_time(b) if cuda else (b - a) * 1e3 for a, b in zip(marks, marks[1:])]
+        return ms, act
 
     def logits(self, ids, cu_seqlens, at=None):
         """Next-token logits [T, vocab], or only at the positions `at` (generation needs each
@@ -804,3 +850,46 @@ class Target(nn.Module):
         dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
         gdn = (n_layers - n_full) * T * c.linear_num_value_heads * dk * (10 * dv + 4 * 64)
         return 2 * linear * T + attn + gdn
+
+# -----------------------------------------------------------------------------
+# splitting a pair's target across its two GPUs (train.py --split-layer)
+
+def choose_split(layer_ms, drafter_ms, layer_bytes=None, fixed_bytes=None, capacity=None,
+                 force=None):
+    """Where to cut the target of each pair: K = 0 moves nothing; K in 1..L-1 runs layers K..L-1 on
+    the drafter GPU. layer_ms [pairs, L]: each pair's measured ms of target layers 0..L-1 (L-1: the
+    last tapped layer); drafter_ms [pairs]: each pair's drafter step. The predicted step of K is
+    the slowest pair's max(layers 0..K-1, layers K..L-1 + drafter step): the pairs wait for each
+    other in the gradient all-reduce (the extra hidden state's transfer overlaps compute: not
+    counted). Memory, when capacity [pairs] is given: a drafter GPU holds fixed_bytes [pairs]
+    (its measured step and what the split adds besides weights) + layer_bytes [L] of the moved
+    layers. Picks the fastest K that fits (force: that K, which must fit); of equal steps, the
+    fewest moved layers. Returns a dict: K, fastest (ignoring memory), and per K: step, target,
+    drafter (ms [L, pairs]), need (bytes [L, pairs]) and fits."""
+    drafter_ms = np.asarray(drafter_ms, dtype=np.float64)
+    P = len(drafter_ms)
+    layer_ms = np.asarray(layer_ms, dtype=np.float64).reshape(P, -1)
+    L = layer_ms.shape[1]
+    done = np.concatenate([np.zeros((P, 1)), layer_ms.cumsum(1)], 1).T   # [L+1, P]: layers 0..K-1
+    target = np.concatenate([done[L:], done[1:L]])          # [L, P]; K = 0: every layer
+    drafter = drafter_ms + np.concatenate([np.zeros((1, P)), done[L] - done[1:L]])
+    step = np.maximum(target, drafter).max(1)               # [L]: the slowest pair
+    w = np.zeros(L) if layer_bytes is None else np.asarray(layer_bytes, dtype=np.float64)
+    moved = np.cumsum(w[::-1])[::-1]                        # [L]: weights of layers K..L-1
+    fixed = np.broadcast_to(np.asarray(fixed_bytes if fixed_bytes is not None else 0.0), (P,))
+    need = moved[:, None] + fixed                           # [L, P]
+    need[0] = 0                                             # nothing moved, nothing added
+    cap = None if capacity is None else np.broadcast_to(np.asarray(capacity), (P,))
+    fits = np.ones(L, bool) if cap is None else (need <= cap).all(1)
+    order = [0, *range(L - 1, 0, -1)]                       # ties: the fewest moved layers
+    fastest = min(order, key=lambda K: step[K])
+    if force is not None and not fits[force]:
+        p = int(np.argmax(need[force] - cap))
+        raise ValueError(f"layers {force}..{L - 1} on the drafter GPU do not fit: "
+                         f"{moved[force] / 2**30:.1f} GiB of weights + {fixed[p] / 2**30:.1f} GiB "
+                         f"of the drafter's step and the split's activations = "
+                         f"{need[force, p] / 2**30:.1f} GiB > {cap[p] / 2**30:.1f} GiB usable; "
+                         "choose a larger K")
+    K = force if force is not None else min((K for K in order if fits[K]), key=lambda K: step[K])
+    return dict(K=K, fastest=fastest, step=step, target=target, drafter=drafter, need=need,
+                fits=fits)

@@ -7,17 +7,25 @@ train.py and generate.py end to end: test_train.py.
 Run: python -m pytest -q test_smoke.py test_train.py
 Nothing here needs a GPU or the network; transformers/tokenizers are test-only dependencies.
 """
+import asyncio
+import collections
 import copy
 import dataclasses
 import functools
+import hashlib
 import importlib
 import json
 import math
 import os
 import random
+import re
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -25,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
-from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from torch.nn.attention.flex_attention import create_block_mask
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import Qwen3Config
@@ -39,8 +47,8 @@ from data import DataError, Packer, open_dataset, write_dataset
 from model import (FULL, SLIDING, Drafter, DrafterConfig, anchor_blocks, anchor_mask_mod, block_lists,
                    config_from_json, default_target_layer_ids, drafter_rope, flex_matches_dense, row_attention,
                    sample_anchors)
-from target import (MOE_FIELDS, MoE, Target, TargetConfig, dequantize_fp8, expert_linear, positions_from_cu, rope_cos_sin,
-                    rope_inv_freq, torch_chunk_gated_delta_rule)
+from target import (MOE_FIELDS, MoE, Target, TargetConfig, choose_split, dequantize_fp8, expert_linear,
+                    positions_from_cu, rope_cos_sin, rope_inv_freq, torch_chunk_gated_delta_rule)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LIN = "linear_attention"
@@ -464,6 +472,60 @@ def test_partial_builds(small_ckpts, layout):
     assert torch.equal(head.embed_tokens.weight, full.embed_tokens.weight)
     assert torch.equal(head.lm_head.weight, full.lm_head.weight)
     assert not torch.equal(head.lm_head.weight, head.embed_tokens.weight)
+
+
+def test_split_features_bitwise(small_ckpts):
+    """A pair split at layer K (train.py --split-layer): the target rank's layers 0..K-1 give the taps below K
+    and the hidden state after layer K-1; the drafter rank's layers K..last, loaded alone, complete the taps
+    from it. Concatenated: the unsplit features, bit for bit (fp32), at K = 1 (no tap below), a middle K and
+    K = the last tapped layer."""
+    c = small_ckpts
+    path, taps = str(c["root"] / "official"), [1, 3, 4]
+    full = Target.from_pretrained(path, dtype=torch.float32, n_layers=5, head=False)
+    ref = full.features(c["ids"], c["cu"], taps)
+    for K in (1, 2, 4):
+        below, hidden = full.features(c["ids"], c["cu"], taps, stop=K)
+        assert below.shape == (90, 64 * sum(t < K for t in taps)) and hidden.shape == (90, 64)
+        top = Target.from_pretrained(path, dtype=torch.float32, n_layers=5, head=False, first=K)
+        # only its layers were read, under the checkpoint's names; no embedding, norm or head
+        assert {n.split(".")[1] for n in top.state_dict()} == {str(i) for i in range(K, 5)}
+        assert all(n.startswith("layers.") for n in top.state_dict())
+        assert len(top.layers) == 5 and top.layers[K - 1] is None
+        got = torch.cat([below, top.features(None, c["cu"], taps, h=hidden)], dim=-1)
+        assert torch.equal(got, ref), K
+        # a random preset builds the same tensors whatever range it builds
+        part = Target.build(c["cfg"], n_layers=5, head=False, first=K).state_dict()
+        whole = Target.build(c["cfg"], n_layers=5, head=False).state_dict()
+        assert all(torch.equal(v, whole[n]) for n, v in part.items())
+    with pytest.raises(AssertionError):
+        top.features(c["ids"], c["cu"], taps)           # layers 4.. have no embedding: h is needed
+    ms, act = full.time_layers(c["ids"], c["cu"], 5)
+    assert len(ms) == len(act) == 5 and all(m > 0 for m in ms) and act == [0] * 5
+
+
+def test_choose_split():
+    """train.py's choice of K from measured times, worked by hand: K = 0 moves nothing, K moves layers
+    K..L-1 to the drafter GPU; predicted step = the slowest pair's max(target, moved layers + drafter)."""
+    ten = [10.0] * 10                        # 10 layers of 10 ms: the target alone takes 100 ms
+    c = choose_split([ten], [40.0])          # target-bound: 70 ms each side at K = 7
+    assert c["K"] == 7 and c["step"][7] == 70 and c["step"][0] == 100
+    assert (c["target"][7, 0], c["drafter"][7, 0]) == (70, 70)
+    assert choose_split([ten], [120.0])["K"] == 0                  # drafter-bound: nothing moves
+    c = choose_split([ten], [50.0])          # K = 7 and K = 8 both predict 80 ms: the fewer moved wins
+    assert c["step"][7] == c["step"][8] == 80 and c["K"] == 8
+    # two pairs, the second target 20% slower: its layers set the step (K = 7: 84 ms; K = 6: 88; K = 8: 96)
+    c = choose_split([ten, [12.0] * 10], [40.0, 40.0])
+    assert c["K"] == 7 and c["step"][7] == 84
+    # memory: 1 GiB per layer, 5 GiB held by the drafter's step; 7 GiB usable: at most 2 layers move
+    gib = 2**30
+    mem = dict(layer_bytes=[gib] * 10, fixed_bytes=[5 * gib], capacity=[7 * gib])
+    c = choose_split([ten], [40.0], **mem)
+    assert (c["K"], c["fastest"], c["need"][8, 0], c["step"][8]) == (8, 7, 7 * gib, 80)
+    assert not c["fits"][7] and c["fits"][0]
+    assert choose_split([ten], [40.0], **mem, force=9)["K"] == 9
+    with pytest.raises(ValueError, match=r"layers 7\.\.9 on the drafter GPU do not fit: 3\.0 GiB of weights "
+                                         r"\+ 5\.0 GiB .* = 8\.0 GiB > 7\.0 GiB usable; choose a larger K"):
+        choose_split([ten], [40.0], **mem, force=7)
 
 
 def test_tied_embeddings_text_only(tmp_path):
@@ -1317,71 +1379,299 @@ def test_prepare_pretokenized_roundtrip(tmp_path):
     assert not os.path.exists(tmp_path / "d2" / "val")
 
 
-CHAT_WORDS = ["<unk>", "system", "user", "assistant", "you", "are", "helpful", "hi", "hello", "there", "what",
-              "is", "two", "plus", "four", "it", "thanks", "bye"]
+# -----------------------------------------------------------------------------
+# chat lines: a checkpoint's own template against transformers' apply_chat_template
+
+QWEN36 = os.path.join(HERE, "testdata", "qwen3.6-27b.chat_template.jinja")  # sources: testdata/README
+QWEN3 = os.path.join(HERE, "testdata", "qwen3-8b.chat_template.jinja")
+# Qwen2Tokenizer's pre-tokenizer (transformers/models/qwen2/tokenization_qwen2.py): transformers 5
+# rebuilds a Qwen2Tokenizer with it, so tokenizer.json must use the same for the two to agree
+QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+              r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+QWEN_ADDED = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+CORPUS_WORDS = ("the of and to in is you that it was for on are as with they at be this have from or one by "
+                "word not what all we when your can said there an each which do how if will up other about "
+                "many then them so some would make like into time has look two more write go see no way "
+                "could people than first water call who its now find day get come made hello hi thanks "
+                "weather Paris sunny degrees function tool answer think question let me check plus four "
+                "greet back brief").split()
 
 
-def make_tokenizer(path, special=True, words=CHAT_WORDS):
-    """A word-level tokenizer (words[i] is id i), "\n" an added token, and the ChatML specials (special)."""
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.add_tokens([AddedToken("\n", normalized=False)])  # so the newlines become tokens we can check
-    if special:
-        tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
-    tok.save(str(path))
+def chat_checkpoint(path, template=QWEN36, in_config=False):
+    """A checkpoint directory as Qwen ships one, tiny: a byte-level BPE tokenizer.json trained here
+    (vocab 512, the `tiny` target's, specials included), Qwen's special and added tokens,
+    tokenizer_config.json that transformers' AutoTokenizer loads, generation_config.json's eos
+    ids, and the chat template as chat_template.jinja (or in tokenizer_config.json). Returns the
+    tokenizers.Tokenizer."""
+    os.makedirs(path, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    rng = random.Random(0)
+    lines = [" ".join(rng.choice(CORPUS_WORDS) for _ in range(12)) + rng.choice(".?!\n{}\":,")
+             for _ in range(2000)]
+    tok.train_from_iterator(lines, trainers.BpeTrainer(
+        vocab_size=512 - len(QWEN_SPECIAL) - len(QWEN_ADDED), show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in QWEN_SPECIAL])
+    tok.add_tokens([AddedToken(s, special=False, normalized=False) for s in QWEN_ADDED])
+    assert tok.get_vocab_size(with_added_tokens=True) <= 512
+    tok.save(os.path.join(path, "tokenizer.json"))
+    ids = {s: tok.token_to_id(s) for s in QWEN_SPECIAL + QWEN_ADDED}
+    cfg = {"tokenizer_class": "Qwen2Tokenizer", "bos_token": None, "eos_token": "<|im_end|>",
+           "pad_token": "<|endoftext|>", "unk_token": None, "errors": "replace", "add_prefix_space": False,
+           "model_max_length": 262144, "split_special_tokens": False,
+           "added_tokens_decoder": {str(i): {"content": s, "lstrip": False, "normalized": False, "rstrip": False,
+                                             "single_word": False, "special": s in QWEN_SPECIAL}
+                                    for s, i in ids.items()}}
+    with open(template) as f:
+        text = f.read()
+    if in_config:
+        cfg["chat_template"] = text
+    else:
+        with open(os.path.join(path, "chat_template.jinja"), "w") as f:
+            f.write(text)
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]]}, f)
     return tok
 
 
-def test_prepare_chat_roundtrip(tmp_path):
-    tok = make_tokenizer(tmp_path / "tokenizer.json")
-    convs = [
-        [{"role": "system", "content": "you are helpful"}, {"role": "user", "content": "hi"},
-         {"role": "assistant", "content": "hello there"}, {"role": "user", "content": "what is two plus two"},
-         {"role": "assistant", "content": "it is four"}],
-        [{"role": "user", "content": "thanks"}, {"role": "assistant", "content": "bye"}],
-        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}],  # only <|im_end|> supervised
-    ]
-    write_jsonl(tmp_path / "chat.jsonl", [{"messages": c} for c in convs])
-    r = cli("prepare", "--input", tmp_path / "chat.jsonl", "--out", tmp_path / "d",
-            "--tokenizer", tmp_path / "tokenizer.json")
+@pytest.fixture(scope="module")
+def chat_dirs(tmp_path_factory):
+    """{template: (checkpoint dir, transformers' tokenizer of it)}; Qwen3's template sits in
+    tokenizer_config.json, as Qwen3-8B ships it."""
+    from transformers import AutoTokenizer
+    out = {}
+    for tpl in (QWEN36, QWEN3):
+        d = tmp_path_factory.mktemp("ckpt")
+        chat_checkpoint(d, tpl, in_config=tpl == QWEN3)
+        out[tpl] = str(d), AutoTokenizer.from_pretrained(d)
+    return out
+
+
+WEATHER_TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                   "required": ["city"]}}}]
+CONV_THINKING = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+                 {"role": "assistant", "reasoning_content": "greet back", "content": "hello"},
+                 {"role": "user", "content": "what is two plus two?"},
+                 {"role": "assistant", "content": "<think>\n2+2 is four\n</think>\n\nIt is four."}]
+CONV_TOOLS = [{"role": "user", "content": "weather in Paris?"},
+              {"role": "assistant", "reasoning": "call the tool", "content": "Let me check.",  # vLLM's name
+               "tool_calls": [{"id": "c1", "type": "function", "function": {
+                   "name": "get_weather", "arguments": "{\"city\": \"Paris\", \"days\": 2}"}}]},
+              {"role": "tool", "tool_call_id": "c1", "content": "sunny, 21 degrees"},
+              {"role": "tool", "tool_call_id": "c1", "content": "no rain"},
+              {"role": "assistant", "thinking": "answer now", "content": "Sunny, 21 degrees.", "tool_calls": None}]
+CONV_OFF = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": [{"type": "text", "text": "what is "}, {"type": "text", "text": "two plus two?"}]},
+            {"role": "assistant", "content": "It is four."}]
+
+
+def chat_cases(tpl):
+    """(name, messages, tools, template kwargs, expected samples): each sample is
+    (n: it is the rendering of messages[:n], [(i, the answer of message i as the template renders
+    it, hand-written)]). Qwen3's generation prompt stops at "assistant\\n" (the model writes <think>
+    itself); Qwen3.6's opens "<think>\\n" (thinking on) or writes an empty think block (off)."""
+    q3 = tpl == QWEN3
+
+    def ans(reasoning, content, calls=""):
+        think = ("" if reasoning is None else f"<think>\n{reasoning}\n</think>\n\n" if q3
+                 else f"{reasoning}\n</think>\n\n")
+        return think + content + calls + "<|im_end|>"
+    a2, a4 = ans("greet back", "hello"), ans("2+2 is four", "It is four.")
+    # earlier thinking is dropped once a later user turn exists: turn 2 needs its own sample,
+    # unless Qwen3.6's preserve_thinking keeps it
+    yield "thinking", CONV_THINKING, None, {}, [(3, [(2, a2)]), (5, [(4, a4)])]
+    yield ("preserve_thinking", CONV_THINKING, None, {"preserve_thinking": True},
+           [(3, [(2, a2)]), (5, [(4, a4)])] if q3 else [(5, [(2, a2), (4, a4)])])
+    calls = ('\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>' if q3
+             else "\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+                  "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>")
+    yield ("tools", CONV_TOOLS, WEATHER_TOOLS, {},
+           [(5, [(1, ans("call the tool", "Let me check.", calls)), (4, ans("answer now", "Sunny, 21 degrees."))])])
+    # thinking off: the empty think block is the prompt's; history drops it, so each turn is its own
+    yield ("thinking off", CONV_OFF, None, {"enable_thinking": False},
+           [(2, [(1, ans(None, "hello"))]), (4, [(3, ans(None, "It is four."))])])
+
+
+def hf_render(hf, msgs, tools, kw, gen=False):
+    """transformers' rendering, with tool-call arguments parsed from JSON as the engines do first."""
+    msgs = copy.deepcopy(msgs)
+    for m in msgs:
+        for c in m.get("tool_calls") or ():
+            c["function"]["arguments"] = json.loads(c["function"]["arguments"])
+    return hf.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=gen, **kw)
+
+
+def runs_of(mask):
+    """[(start, end)] of the runs of 1s."""
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask, [0]]).astype(np.int8)))
+    return list(zip(edges[::2], edges[1::2]))
+
+
+@pytest.mark.parametrize("tpl", [QWEN36, QWEN3], ids=["qwen3.6", "qwen3"])
+def test_chat_render_and_mask_match_transformers(chat_dirs, tpl):
+    """Every sample's ids == transformers' tokenizer(apply_chat_template(messages[:n])) ids; every
+    supervised run starts exactly where the tokens of apply_chat_template(messages[:i],
+    add_generation_prompt=True) end and decodes to the hand-written answer; nothing else is
+    supervised."""
+    d, hf = chat_dirs[tpl]
+    for name, msgs, tools, kw, want in chat_cases(tpl):
+        chat = data.Chat(d, kw)
+        got, n, notes = chat.samples({"messages": msgs, "tools": tools})
+        assert len(got) == len(want) and not notes, name
+        for (ids, mask), (end, turns) in zip(got, want):
+            ref = hf(hf_render(hf, msgs[:end], tools, kw), add_special_tokens=False).input_ids
+            assert ids.tolist() == ref, name
+            assert len(runs_of(mask)) == len(turns), name
+            for (a, b), (i, answer) in zip(runs_of(mask), turns):
+                prompt = hf(hf_render(hf, msgs[:i], tools, kw, gen=True), add_special_tokens=False).input_ids
+                assert ids[:a].tolist() == prompt, (name, i)
+                assert hf.decode(ids[a:b].tolist()) == answer, (name, i)
+        assert n["trained"] == n["assistant_turns"] == sum(len(t) for _, t in want) and n["straddle"] == 0
+        assert n["own_sample"] == len(want) - 1 and n["not_as_served"] == n["not_intact"] == 0
+    # --turns last: the whole conversation, its last answer supervised
+    (ids, mask), = data.Chat(d).samples({"messages": CONV_THINKING}, turns="last")[0]
+    assert ids.tolist() == hf(hf_render(hf, CONV_THINKING, None, {}), add_special_tokens=False).input_ids
+    (a, b), = runs_of(mask)
+    assert b == len(ids) - 1 and hf.decode(ids[a:b].tolist()).endswith("It is four.<|im_end|>")
+
+
+def test_prepare_chat_roundtrip(chat_dirs, tmp_path):
+    """data.py prepare --tokenizer DIR: chat lines of every input form (messages, ShareGPT
+    conversations) become the samples Chat makes (checked against transformers above), with
+    --val, the vocab bound of the tokenizer, and the counts and template recorded in meta.json."""
+    d, hf = chat_dirs[QWEN36]
+    sharegpt = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}
+    lines = [{"messages": CONV_THINKING}, {"messages": CONV_TOOLS, "tools": WEATHER_TOOLS, "id": 7}, sharegpt,
+             {"messages": CONV_THINKING[:3]}]
+    write_jsonl(tmp_path / "chat.jsonl", lines)
+    r = cli("prepare", "--input", tmp_path / "chat.jsonl", "--out", tmp_path / "d", "--tokenizer", d, "--val", 1,
+            "--workers", 2)
     assert r.returncode == 0, r.stderr + r.stdout
-    ds = open_dataset(tmp_path / "d")
-    assert len(ds) == 3 and ds.vocab_size == tok.get_vocab_size(with_added_tokens=True)
-    S, E, NL = tok.token_to_id("<|im_start|>"), tok.token_to_id("<|im_end|>"), tok.token_to_id("\n")
-    A = tok.token_to_id("assistant")
-    for k, conv in enumerate(convs):
-        ids, mask = (a.tolist() for a in ds.sample(k))
-        # ids: the whole rendered conversation tokenized in one go (the tokenizer's own view)
-        text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in conv)
-        assert ids == tok.encode(text, add_special_tokens=False).ids
-        # mask, recomputed by walking the ids: inside an assistant turn, from after "assistant\n"
-        # through <|im_end|> inclusive; the header and the trailing "\n" are not supervised
-        want, state = [], None
-        for j, t in enumerate(ids):
-            if t == S:
-                state = "header"
-            if state == "body":
-                want.append(1 if role == A else 0)
-                state = "tail" if t == E else "body"
-            else:
-                want.append(0)
-                if state == "header" and t == NL:
-                    state, role = "body", ids[j - 1]
-        assert mask == want
-        answers = [m["content"] for m in conv if m["role"] == "assistant"]
-        assert sum(mask) == sum(len(a.split()) + 1 for a in answers)
-        assert ids[-1] == NL and mask[-1] == 0
+    tr, va = open_dataset(tmp_path / "d"), open_dataset(tmp_path / "d" / "val")
+    chat = data.Chat(d)
+    want = [s for o in lines for s in chat.samples(o)[0]]
+    got = [tr.sample(k) for k in range(len(tr))] + [va.sample(k) for k in range(len(va))]
+    assert len(got) == len(want) == 5 and len(va) == 1  # CONV_THINKING makes 2, the last line is val
+    for (ids, mask), (wi, wm) in zip(got, want):
+        assert ids.tolist() == wi.tolist() and mask.tolist() == wm.tolist()
+    assert tr.vocab_size == hf.vocab_size + len(hf.added_tokens_decoder) == 512
+    meta = tr.meta["chat"]
+    assert meta["tokenizer"] == d and meta["template"] == os.path.join(d, "chat_template.jinja")
+    assert meta["template_sha256"] == "e84f32a23fdda27689f868aa4a1a5621f41133e51a48d7f3efcbea2839574259"
+    assert (meta["turns"], meta["trained"], meta["own_sample"]) == ("all", 5, 1)
+    # thinking tokens: those of a run that start inside its reasoning, the text before "\n</think>"
+    t = 0
+    for ids, mask in got[:4]:
+        offsets = chat.tok.encode(hf.decode(ids.tolist()), add_special_tokens=False).offsets
+        for a, b in runs_of(mask):
+            reasoning = hf.decode(ids[a:b].tolist()).split("\n</think>")[0]
+            t += sum(1 for s, _ in offsets[a:b] if s < offsets[a][0] + len(reasoning))
+    assert meta["thinking_tokens"] == t and meta["thinking_tokens"] + meta["answer_tokens"] == tr.meta["n_supervised"]
+    assert "6 of 6 assistant turns trained (1 in a sample of their own" in r.stdout
+    assert "supervised:" in r.stdout and "thinking tokens" in r.stdout
 
 
-def test_chat_needs_tokenizer_with_special_tokens(tmp_path):
-    write_jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "assistant", "content": "hi"}]}])
+def test_chat_setup_errors(tmp_path):
+    """Chat lines without --tokenizer, and a --tokenizer that is no checkpoint: one line naming what
+    is missing, nothing written."""
+    write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONV_THINKING}])
     r = cli("prepare", "--input", tmp_path / "chat.jsonl", "--out", tmp_path / "d")
-    assert r.returncode == 1 and "chat.jsonl:1" in r.stderr and "--tokenizer" in r.stderr
-    make_tokenizer(tmp_path / "plain.json", special=False)
-    r = cli("prepare", "--input", tmp_path / "chat.jsonl", "--out", tmp_path / "d",
-            "--tokenizer", tmp_path / "plain.json")
-    assert r.returncode == 1 and "plain.json" in r.stderr and "<|im_start|>" in r.stderr
-    assert not os.path.exists(tmp_path / "d" / "train")
+    assert r.returncode == 1 and "chat.jsonl:1" in r.stderr and "--tokenizer DIR" in r.stderr
+    d = tmp_path / "ckpt"
+    chat_checkpoint(d)
+    for remove, msg in [("chat_template.jinja", "has no chat template: neither chat_template.jinja nor"),
+                        ("tokenizer.json", "has no tokenizer.json")]:
+        os.rename(d / remove, tmp_path / remove)
+        r = cli("prepare", "--input", tmp_path / "chat.jsonl", "--out", tmp_path / "d", "--tokenizer", d)
+        assert r.returncode == 1 and msg in r.stderr and str(d) in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1 and not os.path.exists(tmp_path / "d" / "train")
+        os.rename(tmp_path / remove, d / remove)
+    r = cli("prepare", "--input", tmp_path / "chat.jsonl", "--out", tmp_path / "d", "--tokenizer", d / "tokenizer.json")
+    assert r.returncode == 1 and "is not a directory" in r.stderr
+    r = cli("prepare", "--input", tmp_path / "chat.jsonl", "--out", tmp_path / "d", "--tokenizer", d,
+            "--chat-template-kwargs", "[1]")
+    assert r.returncode == 2 and "--chat-template-kwargs" in r.stderr
+    for pkg in ("jinja2", "tokenizers"):  # not installed: one line saying how to install it
+        code = (f"import sys; sys.modules[{pkg!r}] = None; sys.path.insert(0, {HERE!r}); import data; "
+                f"data.main(['prepare', '--input', {str(tmp_path / 'chat.jsonl')!r}, '--out', "
+                f"{str(tmp_path / 'd')!r}, '--tokenizer', {str(d)!r}])")
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        assert r.returncode == 1 and r.stderr.strip() == (f"error: data.py prepare --tokenizer needs the {pkg} "
+                                                          f"package: pip install {pkg}"), r.stderr
+
+
+def test_chat_bad_lines(tmp_path):
+    """A template that raises, no assistant turn, an unknown role, malformed tool arguments, a turn
+    the template does not render after its generation prompt: one line each naming the line,
+    counted; the good lines all kept. Answers the template drops are counted as not intact."""
+    d = tmp_path / "ckpt"
+    chat_checkpoint(d)
+    tools_bad = copy.deepcopy(CONV_TOOLS)
+    tools_bad[1]["tool_calls"][0]["function"]["arguments"] = "{\"city\": Paris}"
+    bad = {3: ({"messages": CONV_THINKING[1:2] + CONV_THINKING[:1] + CONV_THINKING[2:3]}, "template error",
+               "TemplateError: System message must be at the beginning."),
+           5: ({"messages": CONV_THINKING[:2]}, "no assistant turn", "nothing to train on"),
+           7: ({"messages": [{"role": "robot", "content": "x"}] + CONV_THINKING}, "unknown role", "'robot'"),
+           9: ({"messages": tools_bad, "tools": WEATHER_TOOLS}, "bad tool arguments", "message 1 tool call 0"),
+           11: ({"prompt": "hi"}, "no assistant turn", "nothing to train on")}
+    lines = [{"messages": CONV_THINKING[:3]}] * 12
+    for k, (o, _, _) in bad.items():
+        lines[k - 1] = o
+    write_jsonl(tmp_path / "in.jsonl", lines)
+    r = cli("prepare", "--input", tmp_path / "in.jsonl", "--out", tmp_path / "d", "--tokenizer", d, "--max-bad", 0.5,
+            "--workers", 2)
+    assert r.returncode == 0, r.stderr + r.stdout
+    for k, (_, kind, detail) in bad.items():
+        line = next(l for l in r.stdout.splitlines() if l.startswith(f"{tmp_path / 'in.jsonl'}:{k}: "))
+        assert kind in line and detail in line, line
+    assert "skipped 5 of 12 lines" in r.stdout and len(open_dataset(tmp_path / "d")) == 7
+    # thinking off, but answers carry reasoning: not what serving produces, so not trained (a line
+    # with nothing left is bad); Qwen3's template renders an assistant's list content as nothing
+    d3 = tmp_path / "qwen3"
+    chat_checkpoint(d3, QWEN3, in_config=True)
+    lost = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [{"type": "text", "text": "hello"}]}]
+    partly = CONV_OFF[:3] + [{"role": "assistant", "reasoning_content": "2+2", "content": "four"}]
+    write_jsonl(tmp_path / "off.jsonl", [{"messages": CONV_THINKING}, {"messages": CONV_OFF}, {"messages": lost},
+                                         {"messages": partly}])
+    r = cli("prepare", "--input", tmp_path / "off.jsonl", "--out", tmp_path / "e", "--tokenizer", d3,
+            "--chat-template-kwargs", '{"enable_thinking": false}', "--max-bad", 0.5)
+    assert r.returncode == 0, r.stderr + r.stdout
+    assert "off.jsonl:1: not as served: turn 4: the generation prompt goes on '\\n</think>" in r.stdout
+    assert "check --chat-template-kwargs" in r.stdout and "skipped 1 of 4 lines: 1 not as served" in r.stdout
+    assert "off.jsonl:4: not as served: turn 3" in r.stdout
+    assert "off.jsonl:3: not intact: turn 1: 'hello' is not in the supervised text" in r.stdout
+    meta = open_dataset(tmp_path / "e").meta["chat"]
+    assert (meta["not_as_served"], meta["not_intact"], meta["trained"]) == (1, 1, 4)
+    assert meta["kwargs"] == {"enable_thinking": False} and meta["template"] == str(d3 / "tokenizer_config.json")
+
+
+def test_chat_stats(chat_dirs, tmp_path):
+    """data.py stats: counts, percentiles, what --budget cuts (checked by hand), and a sample
+    printed back with the supervised spans marked."""
+    d, hf = chat_dirs[QWEN36]
+    write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONV_TOOLS, "tools": WEATHER_TOOLS}, {"messages": CONV_OFF}])
+    assert cli("prepare", "--input", tmp_path / "chat.jsonl", "--out", tmp_path / "d", "--tokenizer", d).returncode == 0
+    ds = open_dataset(tmp_path / "d")
+    budget = int(ds.lengths.min()) + 1
+    r = cli("stats", tmp_path / "d", "--budget", budget)
+    assert r.returncode == 0, r.stderr
+    long = [i for i in range(len(ds)) if ds.lengths[i] > budget]
+    cut = sum(int(ds.sample(i)[1][budget:].sum()) for i in long)
+    assert f"--budget {budget}: {len(long)} samples" in r.stdout and f"drops {cut} supervised tokens" in r.stdout
+    ids, mask = ds.sample(0)
+    text = r.stdout.split("between « and »:\n", 1)[1]
+    assert text.count("«") == len(runs_of(mask)) == 2
+    assert "«call the tool\n</think>\n\nLet me check." in text and text.startswith("<|im_start|>system\n# Tools")
 
 
 # -----------------------------------------------------------------------------
@@ -1701,6 +1991,367 @@ def test_demo_is_the_targets_greedy_output(tmp_path):
     assert os.path.getmtime(os.path.join(out, "train", "meta.json")) == mtime
     with pytest.raises(DataError, match="already exists"):  # a different demo is not silently overwritten
         data.make_demo(tmp_path / "demo", samples=11, val_samples=3, new_tokens=20, seed=0)
+
+
+# -----------------------------------------------------------------------------
+# regenerate, against a real OpenAI-compatible HTTP server
+
+def fake_answer(user, earlier):
+    """The test server's answer: a function of the request's last user message and the assistant
+    answers before it, so a stored answer shows which exact request it came from."""
+    h = hashlib.sha1(json.dumps([user, earlier]).encode()).hexdigest()[:10]
+    return f"thought {h} about {user}", f"answer {h} to {user}"
+
+
+class FakeOpenAI:
+    """/v1/models and /v1/chat/completions on 127.0.0.1 ports (asyncio, HTTP/1.1 keep-alive, in a
+    daemon thread), replies shaped like SGLang's / vLLM's. Knobs, settable any time: reasoning (the
+    field: 'reasoning_content', 'reasoning', 'inline' for <think> in the content, or None), delay
+    (s), fail_every (every n-th chat request answers 500), answer (messages -> (reasoning, content);
+    default fake_answer) and faults: user prompts FAIL (500), BAD (400), HANG (no reply), HTML (a 200
+    that is not JSON), EMPTY (a 200 without choices)."""
+
+    def __init__(self, ports=1, model="tiny", **knobs):
+        self.model, self.requests, self.hits = model, [], collections.Counter()
+        self.inflight = self.max_inflight = 0
+        self.reasoning, self.delay, self.fail_every, self.faults = "reasoning_content", 0, 0, False
+        self.answer = lambda msgs: fake_answer([m for m in msgs if m["role"] == "user"][-1]["content"],
+                                               [m.get("content") for m in msgs if m["role"] == "assistant"])
+        self.__dict__.update(knobs)
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+
+        async def start():
+            return [await asyncio.start_server(self.serve, "127.0.0.1", 0) for _ in range(ports)]
+        self.servers = asyncio.run_coroutine_threadsafe(start(), self.loop).result()
+        self.urls = [f"http://127.0.0.1:{s.sockets[0].getsockname()[1]}" for s in self.servers]
+
+    def close(self):
+        async def stop():  # connections too (a HANG reply still waits), so nothing is left pending
+            for s in self.servers:
+                s.close()
+            tasks = asyncio.all_tasks() - {asyncio.current_task()}
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        asyncio.run_coroutine_threadsafe(stop(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+    def asked(self, user):
+        """The requests whose last user message is `user`."""
+        return [r for r in self.requests if [m for m in r["messages"] if m["role"] == "user"][-1]["content"] == user]
+
+    async def serve(self, reader, writer):
+        try:
+            while line := await reader.readline():
+                path, size = line.split()[1], 0
+                while (h := await reader.readline()) not in (b"\r\n", b""):
+                    k, _, v = h.partition(b":")
+                    size = int(v) if k.lower() == b"content-length" else size
+                status, kind, body = await self.reply(path, await reader.readexactly(size))
+                self.hits[writer.get_extra_info("sockname")[1]] += path != b"/v1/models"
+                writer.write(b"HTTP/1.1 %d -\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n%s"
+                             % (status, kind, len(body), body))
+                await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    async def reply(self, path, body):
+        if path == b"/v1/models":
+            return 200, b"application/json", json.dumps({"object": "list", "data": [{"id": self.model}]}).encode()
+        req = json.loads(body)
+        self.requests.append(req)
+        k, msgs = len(self.requests), req["messages"]
+        user = [m for m in msgs if m["role"] == "user"][-1]["content"]
+        self.inflight += 1
+        self.max_inflight = max(self.max_inflight, self.inflight)
+        await asyncio.sleep(self.delay)
+        self.inflight -= 1
+        fault = self.faults and user in ("FAIL", "BAD", "HANG", "HTML", "EMPTY") and user
+        if fault == "FAIL" or (self.fail_every and k % self.fail_every == 0):
+            return 500, b"application/json", b'{"object": "error", "message": "boom"}'
+        if fault == "BAD":
+            return 400, b"application/json", b'{"object": "error", "message": "prompt too long"}'
+        if fault == "HANG":
+            await asyncio.sleep(3600)
+        if fault in ("HTML", "EMPTY"):
+            return (200, b"text/html", b"<html>502 Bad Gateway</html>") if fault == "HTML" else \
+                (200, b"application/json", b'{"object": "error", "message": "no choices"}')
+        reasoning, content = self.answer(msgs)
+        msg, finish = {"role": "assistant", "content": content}, "length" if user.startswith("LONG") else "stop"
+        if self.reasoning == "inline":
+            msg["content"] = f"<think>\n{reasoning}\n</think>\n\n{content}"
+        elif self.reasoning:
+            msg[self.reasoning] = reasoning
+        if req.get("tools"):
+            msg["tool_calls"] = [{"id": "call_1", "type": "function",
+                                  "function": {"name": "lookup", "arguments": json.dumps({"q": user})}}]
+            finish = "tool_calls"
+        usage = {"prompt_tokens": len(json.dumps(msgs).split()), "completion_tokens": len(content.split()),
+                 "total_tokens": 0}
+        return 200, b"application/json", json.dumps({
+            "id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": self.model,
+            "choices": [{"index": 0, "message": msg, "finish_reason": finish}], "usage": usage}).encode()
+
+
+@pytest.fixture
+def fake_server():
+    servers = []
+    yield lambda **kw: servers.append(FakeOpenAI(**kw)) or servers[-1]
+    for s in servers:
+        s.close()
+
+
+def regen(inp, out, server, *args, concurrency=4):
+    return cli("regenerate", "--input", inp, "--out", out, *[a for u in server.urls for a in ("--server", u)],
+               "--model", server.model, "--concurrency", concurrency, "--backoff", 0.01, *args)
+
+
+def expected(msgs, tools_or_last=False):
+    """What regenerate must write for these input messages, from fake_answer alone: every assistant turn
+    (or, with tool messages, the final one) answered again, each request holding the earlier answers.
+    An answer is a tuple (reasoning, content)."""
+    def answer(history):
+        return fake_answer([m for m in history if isinstance(m, dict) and m["role"] == "user"][-1]["content"],
+                           [m[1] if isinstance(m, tuple) else m.get("content") for m in history
+                            if isinstance(m, tuple) or m["role"] == "assistant"])
+    if tools_or_last:
+        head = msgs[:-1] if msgs[-1]["role"] == "assistant" else msgs
+        return head + [answer(head)]
+    out = []
+    for m in msgs:
+        out.append(answer(out) if m["role"] == "assistant" else m)
+    return out if msgs[-1]["role"] == "assistant" else out + [answer(out)]
+
+
+def check_answers(got, want):
+    """The stored messages == the expected ones; answers (tuples) as the server sent them."""
+    assert len(got) == len(want), (got, want)
+    for g, w in zip(got, want):
+        if isinstance(w, tuple):
+            assert g["role"] == "assistant" and (g["reasoning_content"], g["content"]) == w, (g, w)
+            assert g["finish_reason"] in ("stop", "length", "tool_calls")
+            assert g["usage"]["completion_tokens"] == len(w[1].split()) and g["usage"]["prompt_tokens"] > 0
+        else:
+            assert g == w
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def by_line(path):
+    rows = read_jsonl(path)
+    assert len({r["input_line"] for r in rows}) == len(rows), "a prompt written twice"
+    return {r["input_line"]: r for r in rows}
+
+
+CHATS = [
+    {"id": "a", "source": "mix", "messages": [
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": "u1"},
+        {"role": "assistant", "content": "old answer 1", "reasoning_content": "old thought"},
+        {"role": "user", "content": "u2"}, {"role": "assistant", "content": "old answer 2"}]},
+    {"id": "b", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "old"},
+                                  {"from": "human", "value": "and then?"}]},
+    {"id": "c", "prompt": "LONG story"},
+    {"id": "d", "tools": [{"type": "function", "function": {"name": "lookup", "parameters": {}}}], "messages": [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "t0", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "t0", "content": "sunny"},
+        {"role": "assistant", "content": "old final"}]},
+    "{broken",
+    {"messages": [{"role": "wizard", "content": "x"}]},
+    {"messages": [{"role": "assistant", "content": "an answer to nothing"}]},
+]
+
+
+@pytest.mark.parametrize("field", ["reasoning_content", "reasoning", "inline"])
+def test_regenerate_answers_every_turn(tmp_path, fake_server, field):
+    srv = fake_server(reasoning=field)
+    write_jsonl(tmp_path / "in.jsonl", CHATS)
+    kwargs = '{"enable_thinking": true}'
+    r = regen(tmp_path / "in.jsonl", tmp_path / "out.jsonl", srv, "--chat-template-kwargs", kwargs)
+    assert r.returncode == 0, r.stderr
+    rows = by_line(tmp_path / "out.jsonl")
+    assert sorted(rows) == [1, 2, 3, 4]
+    for i, chat in enumerate(CHATS[:4], 1):
+        row = rows[i]
+        assert {k: v for k, v in row.items() if k not in ("input_line", "messages")} == \
+            {k: v for k, v in chat.items() if k not in ("messages", "conversations", "prompt")}
+        check_answers(row["messages"], expected(data.conversation(chat), tools_or_last=chat["id"] == "d"))
+    assert rows[3]["messages"][-1]["finish_reason"] == "length"
+    assert rows[4]["messages"][-1]["tool_calls"][0]["function"]["arguments"] == '{"q": "weather?"}'
+    assert rows[1]["messages"][-1]["usage"]["prompt_tokens"] == len(json.dumps(srv.asked("u2")[0]["messages"]).split())
+    # turn 2's request holds the target's answer 1 (reasoning under both names), not the data's
+    (req,) = srv.asked("u2")
+    thought, answer = fake_answer("u1", [])
+    assert req["messages"][2] == {"role": "assistant", "content": answer, "reasoning_content": thought,
+                                  "reasoning": thought}
+    assert srv.asked("weather?")[0]["tools"] == CHATS[3]["tools"]
+    assert srv.asked("weather?")[0]["messages"] == CHATS[3]["messages"][:3]
+    for q in srv.requests:  # SpecForge's defaults; the template kwargs reach the server
+        assert q["temperature"] == 0.7 and q["max_tokens"] == 4096 and "top_p" not in q and "top_k" not in q
+        assert q["chat_template_kwargs"] == {"enable_thinking": True}
+    assert len(srv.requests) == 6
+    # bad input lines: reported by number, listed in the failures file, not fatal
+    for line, kind in [(5, "malformed JSON"), (6, "unknown role"), (7, "no user turn")]:
+        assert f"in.jsonl:{line}: {kind}" in r.stdout
+    assert [f["input_line"] for f in read_jsonl(tmp_path / "out.failed.jsonl")] == [5, 6, 7]
+    assert "wrote 4 lines" in r.stdout and "6 answers, 1 cut at --max-tokens" in r.stdout
+    assert "3 bad input lines" in r.stdout
+    # --turns last: only the final answer, the earlier turns as the data has them
+    n_before = len(srv.requests)
+    r = regen(tmp_path / "in.jsonl", tmp_path / "last.jsonl", srv, "--turns", "last", "--limit", 2,
+              "--top-p", 0.95, "--top-k", 20, "--temperature", 0.6, "--max-tokens", 99)
+    assert r.returncode == 0, r.stderr
+    assert [(q["top_p"], q["top_k"], q["temperature"], q["max_tokens"], "chat_template_kwargs" in q)
+            for q in srv.requests[n_before:]] == [(0.95, 20, 0.6, 99, False)] * 2
+    rows = by_line(tmp_path / "last.jsonl")
+    assert sorted(rows) == [1, 2]
+    for i in (1, 2):
+        check_answers(rows[i]["messages"], expected(data.conversation(CHATS[i - 1]), tools_or_last=True))
+
+
+def test_regenerate_resume_after_kill(tmp_path, fake_server):
+    srv = fake_server(delay=0.2)
+    prompts = [{"id": i, "prompt": f"q{i}"} for i in range(40)]
+    write_jsonl(tmp_path / "in.jsonl", prompts)
+    out = tmp_path / "out.jsonl"
+    p = subprocess.Popen([sys.executable, os.path.join(HERE, "data.py"), "regenerate", "--input", tmp_path / "in.jsonl",
+                          "--out", out, "--server", srv.urls[0], "--model", "tiny", "--concurrency", "2"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    t0 = time.time()
+    while not (out.exists() and out.read_text().count("\n") >= 5) and time.time() - t0 < 30:
+        time.sleep(0.05)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    first = by_line(out)
+    assert 5 <= len(first) < 40
+    with open(out, "a") as f:  # what a kill in the middle of a write leaves
+        f.write('{"input_line": 39, "id": 38, "messa')
+    r = regen(tmp_path / "in.jsonl", out, srv)
+    assert r.returncode == 1 and "already exists; pass --resume" in r.stderr
+    n_before, srv.delay = len(srv.requests), 0
+    r = regen(tmp_path / "in.jsonl", out, srv, "--resume")
+    assert r.returncode == 0, r.stderr
+    assert f"resuming: {len(first)} lines already in" in r.stdout and "dropped a half-written last line" in r.stdout
+    rows = by_line(out)
+    assert sorted(rows) == list(range(1, 41))
+    for i, row in rows.items():
+        assert row["id"] == i - 1
+        check_answers(row["messages"], expected([{"role": "user", "content": f"q{i - 1}"}]))
+    # what was written before the kill is not asked again
+    assert not {m["messages"][0]["content"] for m in srv.requests[n_before:]} & {f"q{i - 1}" for i in first}
+
+
+def test_regenerate_flaky_server_loses_nothing(tmp_path, fake_server):
+    srv = fake_server(ports=2, fail_every=5)
+    write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"q{i}"} for i in range(60)])
+    r = regen(tmp_path / "in.jsonl", tmp_path / "out.jsonl", srv, "--retries", 8)
+    assert r.returncode == 0, r.stderr
+    rows = by_line(tmp_path / "out.jsonl")
+    assert sorted(rows) == list(range(1, 61))
+    for i, row in rows.items():
+        check_answers(row["messages"], expected([{"role": "user", "content": f"q{i - 1}"}]))
+    n_retries = int(re.search(r"(\d+) retries", r.stdout)[1])
+    assert n_retries == len(srv.requests) - 60 == len(srv.requests) // 5  # every 5th failed, was asked again
+    assert read_jsonl(tmp_path / "out.failed.jsonl") == []
+    assert len(srv.hits) == 2 and min(srv.hits.values()) > 10  # both servers took their share
+
+
+def test_regenerate_server_faults(tmp_path, fake_server):
+    srv = fake_server(faults=True)
+    lines = [{"prompt": f"q{i}"} for i in range(5)] + [{"prompt": p} for p in ("FAIL", "BAD", "HANG", "HTML", "EMPTY")]
+    write_jsonl(tmp_path / "in.jsonl", lines)
+    r = regen(tmp_path / "in.jsonl", tmp_path / "out.jsonl", srv, "--timeout", 0.5, "--retries", 1)
+    assert r.returncode == 1 and "5 lines failed on the server" in r.stderr and "--resume" in r.stderr
+    url = srv.urls[0] + "/v1"
+    for line, why in [(6, "HTTP 500"), (7, "HTTP 400"), (8, "no reply within --timeout 0.5s"),
+                      (9, "non-JSON reply '<html>502 Bad Gateway</html>'"), (10, "reply without choices")]:
+        assert f"in.jsonl:{line}: {url}: {why}" in r.stdout, why
+    assert sorted(f["input_line"] for f in read_jsonl(tmp_path / "out.failed.jsonl")) == [6, 7, 8, 9, 10]
+    assert sorted(by_line(tmp_path / "out.jsonl")) == [1, 2, 3, 4, 5]
+    assert "5 failed" in r.stdout and "4 retries" in r.stdout
+    assert [len(srv.asked(p)) for p in ("FAIL", "BAD", "HANG", "HTML", "EMPTY")] == [2, 1, 2, 2, 2]  # 400: no retry
+    srv.faults = False  # the server is fixed: --resume asks for exactly the failed lines
+    r = regen(tmp_path / "in.jsonl", tmp_path / "out.jsonl", srv, "--resume")
+    assert r.returncode == 0, r.stderr
+    rows = by_line(tmp_path / "out.jsonl")
+    assert sorted(rows) == list(range(1, 11)) and len(srv.requests) == 5 + 9 + 5
+    for i, row in rows.items():
+        check_answers(row["messages"], expected([{"role": "user", "content": lines[i - 1]["prompt"]}]))
+    assert read_jsonl(tmp_path / "out.failed.jsonl") == []
+    # a server failing everything is given up on after 2 x --concurrency lines in a row, not asked for every line
+    srv.fail_every, n_before = 1, len(srv.requests)
+    write_jsonl(tmp_path / "more.jsonl", [{"prompt": f"q{i}"} for i in range(40)])
+    r = regen(tmp_path / "more.jsonl", tmp_path / "more.out.jsonl", srv, "--retries", 0)
+    assert r.returncode == 1 and "every server fails every request (last: " in r.stderr
+    assert f"{url}: the last 8 lines all failed" in r.stdout
+    # 8, plus what the other 3 workers had in flight; the rest is never asked
+    assert 8 <= len(read_jsonl(tmp_path / "more.out.failed.jsonl")) <= len(srv.requests) - n_before < 8 + 4
+
+
+def test_regenerate_stops_without_reasoning(tmp_path, fake_server):
+    srv = fake_server(reasoning=None)
+    write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"q{i}"} for i in range(30)])
+    r = regen(tmp_path / "in.jsonl", tmp_path / "out.jsonl", srv)
+    (err,) = [line for line in r.stderr.splitlines() if "error" in line]
+    assert r.returncode == 1 and srv.urls[0] in err and "--reasoning-parser qwen3" in err
+    assert "enable_thinking" in err and os.path.getsize(tmp_path / "out.jsonl") == 0  # nothing written
+    assert len(srv.requests) < 30   # stopped early
+    r = regen(tmp_path / "in.jsonl", tmp_path / "out.jsonl", srv, "--resume",
+              "--chat-template-kwargs", '{"enable_thinking": false}')
+    assert r.returncode == 0, r.stderr
+    rows = by_line(tmp_path / "out.jsonl")
+    assert sorted(rows) == list(range(1, 31)) and not any("reasoning_content" in m for row in rows.values()
+                                                             for m in row["messages"])
+
+
+def test_regenerate_overhead(tmp_path, fake_server):
+    """The client must never be what limits a real engine: exactly --concurrency requests in flight, and its own
+    cost per request against a server that answers at once. The README's figure:
+    python -m pytest -q -s test_smoke.py -k regenerate_overhead"""
+    srv = fake_server(delay=1.5)  # long enough for a busy CPU to send all 256 before the first reply
+    write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"q{i}"} for i in range(512)])
+    r = regen(tmp_path / "in.jsonl", tmp_path / "out.jsonl", srv, concurrency=256)
+    assert r.returncode == 0, r.stderr
+    assert srv.max_inflight == 256 and len(by_line(tmp_path / "out.jsonl")) == 512
+    srv.delay = 0
+    write_jsonl(tmp_path / "fast.jsonl", [{"prompt": f"question {i}: " + "word " * 200} for i in range(2000)])
+    r = regen(tmp_path / "fast.jsonl", tmp_path / "fast.out.jsonl", srv, concurrency=256)
+    assert r.returncode == 0, r.stderr
+    summary = r"([\d.]+) requests/s.*used (\d+)% of a CPU core, ([\d.]+) ms a request"
+    rate, core, ms = re.search(summary, r.stdout).groups()
+    print(f"\n[regenerate] 2000 requests, concurrency 256, instant server: {rate} requests/s, client at {core}% "
+          f"of a core, {ms} ms of client CPU a request = {1e3 / float(ms):.0f} requests/s per core")
+    assert float(ms) < 10  # a regression to per-request setup (a client, a TLS context) costs 100+ ms
+
+
+def test_regenerate_setup_errors(tmp_path, fake_server, monkeypatch):
+    srv = fake_server()
+    write_jsonl(tmp_path / "in.jsonl", [{"prompt": "q"}])
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = cli("regenerate", "--input", tmp_path / "in.jsonl", "--out", tmp_path / "o.jsonl", "--model", "tiny",
+            "--server", srv.urls[0], "--server", f"127.0.0.1:{port}")
+    assert r.returncode == 1 and f"server http://127.0.0.1:{port}/v1 is unreachable" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    r = cli("regenerate", "--input", tmp_path / "in.jsonl", "--out", tmp_path / "o.jsonl", "--model", "big",
+            "--server", srv.urls[0])
+    assert r.returncode == 1 and "does not serve --model big; it serves tiny" in r.stderr
+    r = cli("regenerate", "--input", tmp_path / "in.jsonl", "--out", tmp_path / "o.jsonl", "--model", "tiny",
+            "--server", srv.urls[0], "--chat-template-kwargs", "enable_thinking")
+    assert r.returncode == 2 and "not JSON" in r.stderr
+    monkeypatch.setitem(sys.modules, "openai", None)  # as if not installed
+    with pytest.raises(SystemExit) as e:
+        data.main(["regenerate", "--input", str(tmp_path / "in.jsonl"), "--out", str(tmp_path / "o.jsonl"),
+                   "--model", "tiny", "--server", srv.urls[0]])
+    assert e.value.code == "error: data.py regenerate needs the openai package: pip install openai"
 
 
 
@@ -2142,25 +2793,36 @@ def test_divergence_is_reported(gen, monkeypatch):
     assert "DIVERGES at new token 5" in logs[0] and "NOT a near-tie: a bug" in logs[0], logs[0]
 
 
-def test_chat_prompt_is_the_prefix_before_the_answer(tmp_path):
-    """A chat prompt is exactly what `data.py prepare` writes before the first supervised token."""
-    words = ["<unk>", "system", "user", "assistant", "hi", "hello", "there", "be", "brief"]
-    tok = make_tokenizer(tmp_path / "tok.json", words=words)
-    conv = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
-            {"role": "assistant", "content": "hello there"}]
-    with open(tmp_path / "chats.jsonl", "w") as f:
-        f.write(json.dumps({"messages": conv}) + "\n\n" + json.dumps({"messages": conv[:2]}) + "\n")
-    prompts = generate.chat_prompts(tmp_path / "chats.jsonl", str(tmp_path / "tok.json"), 8)
-    encode, _ = data._chat_encoder(str(tmp_path / "tok.json"))
-    ids, mask = encode(conv)
-    first = mask.index(1)
-    assert len(prompts) == 2 and prompts[0].tolist() == prompts[1].tolist() == ids[:first]
-    text = tok.decode(ids[:first], skip_special_tokens=False)
-    assert text.replace(" ", "").endswith("<|im_start|>assistant\n"), text
+@pytest.mark.parametrize("tpl", [QWEN36, QWEN3], ids=["qwen3.6", "qwen3"])
+def test_chat_prompts_are_what_the_engine_renders(chat_dirs, tpl, tmp_path):
+    """generate.py --prompts: ids == transformers' apply_chat_template(..., add_generation_prompt=True)
+    ids with the same kwargs, a final reference answer dropped; and for a one-turn chat, exactly
+    the tokens `data.py prepare` writes before the first supervised one."""
+    d, hf = chat_dirs[tpl]
+    objs = [{"messages": CONV_THINKING}, {"messages": CONV_TOOLS[:3], "tools": WEATHER_TOOLS},
+            {"conversations": [{"from": "human", "value": "hi there"}]}, {"prompt": "what is two plus two?"}]
+    with open(tmp_path / "p.jsonl", "w") as f:
+        f.write("\n\n".join(json.dumps(o) for o in objs) + "\n")
+    for kw in ({}, {"enable_thinking": False}):
+        prompts = generate.chat_prompts(tmp_path / "p.jsonl", d, 8, kw)
+        want = [CONV_THINKING[:4], CONV_TOOLS[:3], [{"role": "user", "content": "hi there"}],
+                [{"role": "user", "content": "what is two plus two?"}]]
+        assert len(prompts) == 4
+        for p, msgs, o in zip(prompts, want, objs):
+            text = hf_render(hf, msgs, o.get("tools"), kw, gen=True)
+            assert p.tolist() == hf(text, add_special_tokens=False).input_ids
+        ids, mask = data.Chat(d, kw).samples({"messages": CONV_OFF[:2]})[0][0]
+        first = int(mask.argmax())
+        with open(tmp_path / "one.jsonl", "w") as f:
+            f.write(json.dumps({"messages": CONV_OFF[:2]}) + "\n")
+        p, = generate.chat_prompts(tmp_path / "one.jsonl", d, 8, kw)
+        assert p.tolist() == ids[:first].tolist()
     with open(tmp_path / "bad.jsonl", "w") as f:
-        f.write('{"prompt": "hi"}\n')
-    with pytest.raises(SystemExit, match="bad.jsonl:1"):
-        generate.chat_prompts(tmp_path / "bad.jsonl", str(tmp_path / "tok.json"), 8)
+        f.write('{"prompt": "hi"}\n{"messages": [{"role": "robot", "content": "x"}]}\n')
+    with pytest.raises(SystemExit, match="bad.jsonl:2: unknown role"):
+        generate.chat_prompts(tmp_path / "bad.jsonl", d, 8)
+    with pytest.raises(SystemExit, match="has no chat template"):
+        generate.chat_prompts(tmp_path / "bad.jsonl", tmp_path, 8)
 
 
 # target checkpoints as users have them: RoPE scaling (yarn, linear) in both config spellings,

@@ -163,6 +163,78 @@ def test_resume_continues_exactly(tmp_path):
 
 
 # ==================================================================================================
+# split pairs (--split-layer): the target's layers K..5 on the drafter's process (tiny: taps [1, 3, 5])
+
+SPLIT = ["--max-steps", "20", "--log-interval", "1", "--eval-interval", "10", "--save-interval", "10"]
+
+
+@pytest.fixture(scope="module")
+def unsplit_pair(tmp_path_factory):
+    """The reference: one pair, nothing moved, 20 steps."""
+    out = tmp_path_factory.mktemp("unsplit")
+    train(out, *SPLIT, "--split-layer", "0", nproc=2, port=29541)
+    return out
+
+
+def curve(out):
+    """Every train and eval record's loss, acceptance and grad norm, by (kind, step); the last wins."""
+    with open(os.path.join(out, "log.jsonl")) as f:
+        return {(r["kind"], r["step"]): (r["loss"], r["accept"], r.get("gnorm"))
+                for r in map(json.loads, f) if r["kind"] in ("train", "eval")}
+
+
+@pytest.mark.parametrize("K", ["5", "auto"])
+def test_split_pair_same_curve(unsplit_pair, tmp_path, K):
+    """K = 5, the last tapped layer (the drafter's process runs it alone), and auto (on CPU the tiny drafter is
+    the slower role, so auto should move nothing; any K it picks must give the same run): the same losses,
+    acceptance and grad norms as the unsplit pair, exactly, over 20 steps and 3 evals."""
+    out = train(tmp_path, *SPLIT, "--split-layer", K, nproc=2, port=29542 + (K == "auto"))
+    chosen = re.search(r"^split: --split-layer (\d+) \((.*)\): predicted step (\d+) ms \(unsplit (\d+) ms\), "
+                       r"busy target \d+% drafter \d+%$", out, re.M)
+    assert chosen and re.search(r"^split: target layers 0\.\.5 measured on 4 rows", out, re.M), out[-3000:]
+    if K == "5":
+        assert chosen.group(1, 2) == ("5", "layers 5..5 on the drafter GPU")
+    else:   # auto predicts no slower than unsplit
+        assert 0 <= int(chosen.group(1)) <= 5 and int(chosen.group(3)) <= int(chosen.group(4))
+    assert curve(tmp_path) == curve(unsplit_pair) and len(curve(tmp_path)) == 23
+    log = train_log(tmp_path)
+    assert all(r["split_layer"] == int(chosen.group(1)) for r in log)
+    assert all(r["graphs"] == 2 for r in log), [r["graphs"] for r in log]   # one train, one eval graph
+    if K == "5":   # the moved layer's time is the drafter's: "ms target T+M", M in the drafter's busy share
+        assert all(r["ms_target_on_drafter"] > 0 for r in log) and re.search(r"ms target \d+\+\d+ wait", out)
+        r = log[-1]
+        assert r["busy_drafter"] == pytest.approx((r["ms_drafter"] + r["ms_target_on_drafter"]) / r["ms_step"])
+
+
+def test_split_resume_across_layers(unsplit_pair, tmp_path):
+    """A split run at K = 3 stopped after its step-10 checkpoint and resumed at K = 1 (nothing tapped below it:
+    only the hidden state travels) equals the straight unsplit run: the split is no part of the checkpoint."""
+    p = start(tmp_path, *SPLIT, "--split-layer", "3", nproc=2, port=29544)
+    for line in p.stdout:
+        if "step 10: saved" in line:
+            break
+    drafter, = drafter_pids(str(tmp_path))
+    os.kill(drafter, signal.SIGKILL)                 # torchrun then stops the target
+    assert "--resume" in p.communicate(timeout=120)[0] and p.returncode != 0
+    resumed = train(tmp_path, *SPLIT, "--split-layer", "1", "--resume", nproc=2, port=29545)
+    assert printed_steps(resumed) == list(range(11, 21))
+    assert "split: --split-layer 1 (layers 1..5 on the drafter GPU)" in resumed
+    assert curve(tmp_path) == curve(unsplit_pair)
+
+
+def test_split_layer_errors(tmp_path):
+    """A K past the last tapped layer, a K for one process, or no number: one line at start."""
+    for flags, msg in [(["--split-layer", "6"], "error: --split-layer 6: 0 (no split), auto, or a layer 1..5, "
+                                                "the last tapped one (taps [1, 3, 5])"),
+                       (["--split-layer", "x"], "error: --split-layer x: 0 (no split), auto, or a layer 1..5"),
+                       (["--split-layer", "3"], "error: --split-layer 3: one process runs the whole target; a "
+                                                "split needs a pair (torchrun --nproc_per_node 2 or more)")]:
+        r = run_apart(train_cmd(tmp_path, "--data", demo_data(), *flags))
+        assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert r.stderr.startswith(msg), r.stderr
+
+
+# ==================================================================================================
 # faults: bad flags and files, non-finite loss, killed rank, crash mid-save, broken cache, two nodes
 
 def test_start_checks(tmp_path):
@@ -416,6 +488,122 @@ def test_bad_target_checkpoint_is_one_line(tmp_path):
 
 
 # ==================================================================================================
+# the road from prompts to a drafter: regenerate -> prepare -> train.py
+
+class TinyThinker:
+    """The tiny target as a thinking model behind an OpenAI-compatible server: its greedy continuation
+    of the prompt the checkpoint's template renders (add_generation_prompt=True, as the engine feeds
+    it), `think` tokens of thinking, then "\\n</think>\\n\\n" (how a Qwen thinking model closes its
+    thoughts), then `answer` tokens. Only tokens that decode to printable ASCII on their own are
+    picked (special tokens would end the turn, byte fragments would not survive the round trip
+    through text), and no part starts or ends with whitespace (the template trims both). Answers are computed for all prompts at once (one packed forward per token);
+    a call returns (reasoning, content) as the engine's reasoning parser splits them."""
+
+    def __init__(self, ckpt, prompts, think=12, answer=20):
+        import data
+        self.chat, target, tok = data.Chat(ckpt), tiny_target(), data.Chat(ckpt).tok
+        text = [tok.decode([i], skip_special_tokens=False) for i in range(tok.get_vocab_size())]
+        banned = torch.tensor([not (t.isascii() and t.isprintable()) or t.startswith("<") for t in text])
+        # the template trims reasoning and content: no whitespace at either end of a part
+        lead, trail = (torch.tensor([t[:1].isspace() for t in text]),
+                       torch.tensor([t[-1:].isspace() for t in text]))
+        close = tok.encode("\n</think>\n\n", add_special_tokens=False).ids
+        docs = [self.chat.prompt({"messages": m}).tolist() for m in prompts]
+        start = [len(d) for d in docs]
+        for step in range(think + answer):
+            if step == think:
+                docs = [d + close for d in docs]
+            cu = torch.tensor([0] + [len(d) for d in docs]).cumsum(0)
+            logits = target.logits(torch.tensor(sum(docs, [])), cu, at=cu[1:] - 1).clone()
+            logits[:, banned | (lead if step in (0, think) else False)
+                   | (trail if step in (think - 1, think + answer - 1) else False)] = -float("inf")
+            docs = [d + [t] for d, t in zip(docs, logits.argmax(-1).tolist())]
+        # per user message: (the generated ids, reasoning, content)
+        self.answers = {}
+        for m, d, s in zip(prompts, docs, start):
+            new = d[s:]
+            self.answers[m[-1]["content"]] = (new, tok.decode(new[:think]),
+                                              tok.decode(new[think + len(close):]))
+
+    def __call__(self, msgs):
+        return self.answers[msgs[-1]["content"]][1:]
+
+
+def test_regenerate_prepare_train(tmp_path):
+    """Prompts -> the tiny target's own thinking answers through a real HTTP server that fails 1 request
+    in 5 (regenerate, killed mid-run and resumed; reasoning returned as vLLM's `reasoning` field) ->
+    prepare with the checkpoint's Qwen3.6 template -> train.py. Every prompt is answered exactly once,
+    with what the server said for it; each sample's prompt is what the engine renders and its
+    supervised tokens are the answer the target generated, thinking included, plus <|im_end|>; the
+    trained drafter's held-out accept beats the untrained one's."""
+    import data
+    from test_smoke import CORPUS_WORDS, QWEN36, FakeOpenAI, by_line, chat_checkpoint, write_jsonl
+    ckpt = tmp_path / "ckpt"
+    tok = chat_checkpoint(ckpt, QWEN36)
+    rng = np.random.default_rng(0)
+    prompts = [{"id": f"p{i}", "source": "test",
+                "conversations": [{"from": "human", "value": " ".join(rng.choice(CORPUS_WORDS, 6))}]}
+               for i in range(96)]
+    thinker = TinyThinker(str(ckpt), [data.conversation(p) for p in prompts])
+    srv = FakeOpenAI(reasoning="reasoning", fail_every=5, answer=thinker, delay=0.02)
+    write_jsonl(tmp_path / "prompts.jsonl", prompts)
+    out = tmp_path / "answers.jsonl"
+    cmd = [sys.executable, os.path.join(HERE, "data.py"), "regenerate", "--input", tmp_path / "prompts.jsonl",
+           "--out", out, "--server", srv.urls[0], "--model", srv.model, "--concurrency", "4", "--backoff", "0.01",
+           "--retries", "8", "--max-tokens", "64"]
+    try:
+        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        t0 = time.time()
+        while not (out.exists() and out.read_text().count("\n") >= 20) and time.time() - t0 < 120:
+            time.sleep(0.05)
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        first = by_line(out) if out.exists() else {}
+        r = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, timeout=600)
+    finally:
+        srv.close()
+    assert r.returncode == 0, r.stdout + r.stderr
+    print(f"regenerate: killed after {len(first)} lines, resumed: {time.time() - t0:.0f} s")
+    rows = by_line(out)
+    assert sorted(rows) == list(range(1, 97))                      # every prompt, exactly once
+    for i, row in rows.items():
+        user, answer = row["messages"]
+        assert (row["id"], row["source"], user["content"]) == (f"p{i - 1}", "test",
+                                                              prompts[i - 1]["conversations"][0]["value"])
+        thought, said = thinker(row["messages"][:1])               # what the server says to that prompt
+        assert (answer["reasoning_content"], answer["content"]) == (thought, said)
+    r = subprocess.run([sys.executable, os.path.join(HERE, "data.py"), "prepare", "--input", out,
+                        "--out", tmp_path / "data", "--tokenizer", ckpt, "--val", "16"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    chat, end = data.Chat(str(ckpt)), tok.token_to_id("<|im_end|>")
+    exact = 0
+    order = [json.loads(line)["input_line"] for line in open(out)]   # prepare's --val: every 6th line
+    for split, lines in (("train", [i for k, i in enumerate(order) if k % 6 != 5]),
+                         ("val", [i for k, i in enumerate(order) if k % 6 == 5])):
+        ds = open_dataset(tmp_path / "data" / split)
+        assert len(ds) == len(lines)
+        for k, i in enumerate(lines):
+            ids, mask = (a.astype(np.int64) for a in ds.sample(k))
+            first = int(mask.argmax())
+            prompt = chat.prompt({"messages": rows[i]["messages"][:1]})
+            assert ids[:first].tolist() == prompt.tolist()           # what the engine fed the target
+            got = ids[first:][mask[first:] == 1].tolist()
+            assert mask[first:first + len(got)].all() and got[-1] == end   # one span, closed by <|im_end|>
+            text = tok.decode(got, skip_special_tokens=False)
+            assert text == "{}\n</think>\n\n{}<|im_end|>".format(*thinker(rows[i]["messages"][:1]))
+            # the text survives; the ids need not: a random target's greedy tokens are rarely the
+            # tokenizer's own split of their text (a trained model's mostly are)
+            exact += got[:-1] == thinker.answers[rows[i]["messages"][0]["content"]][0]
+    train(tmp_path / "run", "--data", tmp_path / "data", "--budget", "256", "--epochs", "5",
+          "--eval-interval", "50", "--log-interval", "25")
+    evals = train_log(tmp_path / "run", "eval")
+    print(f"regenerate -> prepare -> train: {len(rows)} prompts, answers token-exact {exact}, "
+          f"held-out accept {evals[0]['accept']:.3f} -> {evals[-1]['accept']:.3f}")
+    assert evals[-1]["accept"] > evals[0]["accept"] + 0.05, [e["accept"] for e in evals]
+
+
+# ==================================================================================================
 # nothing silently wrong: resume under changed flags, runs that learn nothing, output dirs, one-line errors
 
 FAST = ["--no-compile", "--eval-interval", "1000", "--log-interval", "1"]
@@ -483,7 +671,7 @@ def test_resume_refuses_what_changes_the_run(finished, tmp_path, flags, msg):
 
 def test_resume_refuses_another_pair_count(finished):
     """The data is dealt to pairs row by row: a 1-pair checkpoint resumed on 2 pairs is refused."""
-    text = train(finished, "--max-steps", 4, *FAST, "--resume", nproc=4, port=29541, ok=False)
+    text = train(finished, "--max-steps", 4, *FAST, "--resume", nproc=4, port=29551, ok=False)
     assert ("error: --resume: 2 pair(s) (4 processes) differ from the checkpoint's 1: rows are dealt to "
             "pairs; resume on 2 processes (1 pair(s)), or start a new --out") in text, text[-3000:]
     assert torch.load(finished / "ckpt.pt", weights_only=False)["step"] == 2
@@ -501,7 +689,7 @@ def test_resume_with_safe_changes_trains_the_planned_rows(tmp_path):
             break
     p.kill()
     p.wait()
-    text = train(tmp_path, *flags, "--resume", "--lr", "3e-4", "--log-interval", 2, nproc=2, port=29543)
+    text = train(tmp_path, *flags, "--resume", "--lr", "3e-4", "--log-interval", 2, nproc=2, port=29553)
     assert (f"resume: step 10 of {tmp_path / 'ckpt.pt'}; changed: --lr 0.0006 -> 0.0003, --log-interval "
             "1 -> 2, processes 1 -> 2") in text, text[-3000:]
     log = read_log(tmp_path)

@@ -105,6 +105,10 @@ group.add_argument("--cache-dir", default=None, help="root of the per-rank Trito
                    "(default /tmp/dflash-cache-USER)")
 group.add_argument("--fresh-cache", action="store_true",
                    help="empty this run's Triton/Inductor cache dirs first")
+group.add_argument("--split-layer", default=None, help="a pair runs the target's layers K.. (up "
+                   "to the last tapped one) on its drafter GPU, from the hidden state after layer "
+                   "K-1: K, 0 (nothing moved) or auto (K from the layer and drafter-step times "
+                   "measured on the first rows at start); default: auto on a multi-GPU job, else 0")
 group.add_argument("--timeout", type=number(float, 0, above=True), default=900,
                    help="seconds a rank waits for a peer before failing (covers the first "
                    "compile)")
@@ -145,7 +149,7 @@ sys.excepthook = on_error
 import numpy as np
 import torch
 import torch.distributed as dist
-from target import Target, TargetConfig
+from target import Target, TargetConfig, choose_split
 from model import Drafter, DrafterConfig, sample_anchors, block_lists
 from model import flex_backward_kernels, flex_kernel_options, flex_matches_dense
 from data import DataError, open_dataset, Packer, make_demo
@@ -314,19 +318,35 @@ start_checks = [
 for ok, msg in start_checks:
     if not ok:
         sys.exit("error: " + msg)
-n_layers = max(taps) + 1 if runs_target else 0
+# --split-layer: layers K..last of each pair's target run on its drafter GPU. The target rank
+# loads 0..last anyway (it times them all) and drops K..last once K is known
+last = max(taps)
+split = args.split_layer or ("auto" if cuda else "0")
+if world == 1 and split == "auto":
+    split = "0"                 # one process runs the whole target
+if split != "auto":
+    if not split.isdigit() or int(split) > last:
+        sys.exit(f"error: --split-layer {split}: 0 (no split), auto, or a layer 1..{last}, the "
+                 f"last tapped one (taps {taps})")
+    split = int(split)
+    if split and world == 1:
+        sys.exit(f"error: --split-layer {split}: one process runs the whole target; a split needs "
+                 "a pair (torchrun --nproc_per_node 2 or more)")
+n_layers = last + 1 if runs_target else 0
 if args.generate_prompts and world == 1:
     # generation needs every layer and the head, not just the tapped ones
     n_layers = None
-load = dict(device=device, dtype=tdtype, n_layers=n_layers, head=runs_drafter)
-if preset:
-    target = Target.build(tcfg, **load)
-else:
+
+def load_target(**kw):
+    kw = dict(device=device, dtype=tdtype, **kw)
+    if preset:
+        return Target.build(tcfg, **kw)
     try:
-        target = Target.from_pretrained(args.target, **load)
+        return Target.from_pretrained(args.target, **kw)
     # missing, misshapen or mis-scaled tensors
     except (ValueError, KeyError, FileNotFoundError) as e:
         sys.exit(f"error: --target {args.target}: {e.args[0] if isinstance(e, KeyError) else e}")
+target = load_target(n_layers=n_layers, head=runs_drafter)
 
 if runs_drafter:
     # every drafter rank starts from the same weights (checked at the end)
@@ -414,11 +434,16 @@ def unpack_row(packed):
     return dict(zip(ROW_FIELDS, packed))
 
 def load_row(kind, r):
-    """(target features, packed fields) of the next row of `kind` (target ranks, world size 1):
-    one upload, whose tokens row feeds the target, made before its forward is queued."""
+    """([target features], packed fields) of the next row of `kind` (target ranks, world size 1):
+    one upload, whose tokens row feeds the target, made before its forward is queued. A split
+    pair's target sends [taps below K (if any), hidden state after layer K-1] instead."""
     row = eval_rows[r] if kind == "eval" else packer.next_row()
     packed = pack_row(row)
-    return target.features(packed[0], torch.from_numpy(row.cu_seqlens), taps), packed
+    cu = torch.from_numpy(row.cu_seqlens)
+    if not split:
+        return [target.features(packed[0], cu, taps)], packed
+    below, hidden = target.features(packed[0], cu, taps, stop=split)
+    return [below, hidden] if below.numel() else [hidden], packed
 
 def mark():
     # a point in time on this rank's GPU stream (no host sync); the host clock on CPU, where work is
@@ -442,6 +467,53 @@ def gather_stats(target_ms, mem_gib):
 
 def peak_gib():
     return torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0
+
+# -----------------------------------------------------------------------------
+# --split-layer: a pair's target layers K..last move to its drafter GPU. Both roles measure on the
+# next rows this pair trains on, the ranks swap their numbers, and every rank picks the same K
+
+target_ranks = [r for r in range(world) if r % local_world < half]      # world size 1: [0]
+SPLIT_ROWS = 4          # rows timed after one warm-up; K is chosen for the median row
+
+def split_rows():
+    # a packer of their own: the run's data position is untouched
+    rows = Packer(train_ds, budget, n_shards=n_pairs, shard=pair, seed=args.seed)
+    rows.seek(start_step)
+    return [rows.next_row() for _ in range(SPLIT_ROWS)]
+
+def agree_split(mine):
+    """This rank's measurements -> K, the same on every rank (the same numbers, the same choice).
+    mine: a target rank's [ms of layers 0..last, bytes of their weights, the largest layer's
+    activation bytes]; a drafter rank's [step ms, bytes its step holds, usable bytes of its GPU]."""
+    L = last + 1
+    table = torch.zeros(world, 2 * L + 1, dtype=torch.float64)
+    table[rank, :len(mine)] = torch.tensor(mine, dtype=torch.float64)
+    dist.all_reduce(table, group=stats_group)
+    t, d = table[target_ranks].numpy(), table[[r + half for r in target_ranks]].numpy()
+    # besides the moved weights, the drafter GPU holds the received taps below K and hidden state
+    # (at most n_feat rows of features) and the largest layer's activations
+    extra = n_feat * budget * tcfg.hidden_size * tdtype.itemsize + t[:, 2 * L]
+    try:
+        c = choose_split(t[:, :L], d[:, 0], t[0, L:2 * L], d[:, 1] + extra,
+                         d[:, 2] if cuda else None, None if split == "auto" else split)
+    except ValueError as e:
+        sys.exit(f"error: --split-layer {split}: {e}" if rank == log_rank else 1)
+    K, gib = c["K"], lambda b: b.max() / 2**30
+    print0(f"split: target layers 0..{last} measured on {SPLIT_ROWS} rows, median per layer "
+           f"{np.median(t[:, :L]):.1f} ms (min {t[:, :L].min():.1f}, max {t[:, :L].max():.1f}), "
+           f"{t[:, :L].sum(1).max():.0f} ms in all; drafter step (forward + backward) "
+           f"{d[:, 0].max():.0f} ms" + (f", holding {gib(d[:, 1]):.1f} GiB" if cuda else ""))
+    moved = f"layers {K}..{last} on the drafter GPU" if K else "nothing moved"
+    busy = c["target"][K].max() / c["step"][K], c["drafter"][K].max() / c["step"][K]
+    print0(f"split: --split-layer {K} ({moved}): predicted step {c['step'][K]:.0f} ms (unsplit "
+           f"{c['step'][0]:.0f} ms), busy target {busy[0]:.0%} drafter {busy[1]:.0%}"
+           + (f"; drafter GPU {gib(c['need'][K]):.1f} of {gib(d[:, 2]):.1f} GiB usable"
+              if cuda and K else ""))
+    if split == "auto" and c["fastest"] != K:
+        f = c["fastest"]
+        print0(f"split: --split-layer {f} would be faster ({c['step'][f]:.0f} ms) but needs "
+               f"{gib(c['need'][f]):.1f} GiB of the drafter GPU's {gib(d[:, 2]):.1f} usable")
+    return K
 
 # -----------------------------------------------------------------------------
 # resume: the drafter ranks read the checkpoint; every rank learns the step from the log rank
@@ -552,6 +624,19 @@ print0(f"anchors: up to {per_doc} per document, {row_anchors} per row ({sized_by
 # target ranks: run ahead of the drafter with at most two rows in flight (double-buffered isends)
 
 if role == "target":
+    if split:
+        # every layer up to the last tap timed on this pair's next rows, after a warm-up forward
+        rows = [(pack_row(row)[0], torch.from_numpy(row.cu_seqlens)) for row in split_rows()]
+        target.features(*rows[0], taps)
+        runs = [target.time_layers(ids, cu, last + 1) for ids, cu in rows]
+        weights = [sum(p.numel() * p.element_size() for p in layer.parameters())
+                   for layer in target.layers]
+        split = agree_split([*np.median([ms for ms, _ in runs], 0), *weights,
+                             max(max(act) for _, act in runs)])
+        for i in range(split, last + 1 if split else 0):
+            target.layers[i] = None                 # now on the drafter GPU
+        if cuda:
+            torch.cuda.empty_cache()
     inflight, forwards = [], []
     for step, kind, r in schedule(start_step):
         if kind in ("eval", "train"):
@@ -560,7 +645,7 @@ if role == "target":
             forwards.append((t0, mark()))
             # one batched P2P op per row: NCCL serializes unbatched sends with every other op on the
             # group
-            ops = [dist.P2POp(dist.isend, t, peer) for t in (feats, packed)]
+            ops = [dist.P2POp(dist.isend, t, peer) for t in (*feats, packed)]
             inflight.append((dist.batch_isend_irecv(ops), feats, packed))
             if len(inflight) > 2:        # reuse a slot only once the drafter has taken its row
                 for work in inflight.pop(0)[0]:
@@ -596,12 +681,22 @@ def next_row(kind, r):
         if kind == "train":
             local_forwards.append((t0, mark()))
         # a clone: autograd cannot save inference tensors
-        return feats.clone(), unpack_row(packed)
+        return feats[0].clone(), unpack_row(packed)
     # the receive is posted only now, queued behind the previous step: a receive posted earlier
     # keeps an NCCL kernel resident on this GPU's SMs through the whole step; the target queued its
     # send long ago
-    for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, t, peer) for t in recv_buf]):
+    bufs = [*split_bufs, recv_buf[1]] if split else recv_buf
+    for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, t, peer) for t in bufs]):
         work.wait()
+    if split:
+        # the target's layers K..last, here, from the hidden state after layer K-1; this pair's row
+        # is walked here too, so its document bounds are on the host without a device sync
+        row = eval_rows[r] if kind == "eval" else packer.next_row()
+        t0 = mark()
+        top = upper.features(None, torch.from_numpy(row.cu_seqlens), taps, h=split_bufs[-1])
+        torch.cat([*split_bufs[:-1], top], dim=-1, out=recv_buf[0])
+        if kind == "train":
+            local_forwards.append((t0, mark()))
     return recv_buf[0], unpack_row(recv_buf[1])
 
 def drafter_step(feats, row, anchors, keep, blocks):
@@ -630,6 +725,39 @@ def draw_anchors(row):
     anchors, keep, wanted = sample_anchors(row["loss_mask"], row["doc"], per_doc, row_anchors)
     blocks = block_lists(dcfg, anchors, keep, row["doc"], budget) if cuda else None
     return anchors, keep, blocks, wanted
+
+if world > 1 and split:
+    # the drafter step timed on this pair's next rows (the first call compiles it): forward,
+    # backward and clip as in training, but no optimizer step, grads dropped and the global RNG
+    # restored, so the run trains exactly as an unsplit one
+    marks = []
+    with torch.random.fork_rng(devices=[device] if cuda else []):
+        recv_buf[0].zero_()
+        rows = split_rows()
+        for i, row in enumerate([rows[0], *rows]):
+            if i == 1 and cuda:     # the peak of a step, not of compiling (autotuning) it
+                torch.cuda.reset_peak_memory_stats(device)
+            recv_buf[1].copy_(pack_row(row))
+            t0 = mark()
+            fields = unpack_row(recv_buf[1])
+            out = train_step(recv_buf[0], fields, *draw_anchors(fields)[:3])
+            out["loss"].backward()
+            torch.nn.utils.clip_grad_norm_(drafter.parameters(), args.grad_clip)
+            marks.append((t0, mark()))
+            opt.zero_grad(set_to_none=True)
+    sync()
+    # and AdamW's exp_avg and exp_avg_sq, made at the first real step
+    held = torch.cuda.max_memory_allocated(device) + 2 * sum(
+        p.numel() * p.element_size() for p in drafter.parameters()) if cuda else 0
+    # 90%: the CUDA context, NCCL's buffers and fragmentation are outside the allocator's count
+    usable = 0.9 * torch.cuda.get_device_properties(device).total_memory if cuda else 0
+    split = agree_split([np.median([ms(a, b) for a, b in marks[1:]]), held, usable])
+    if split:
+        upper = load_target(first=split, n_layers=last + 1, head=False)
+        # received: the taps below K (none below the first tap) and the hidden state after K-1
+        below = sum(t < split for t in taps)
+        split_bufs = [torch.empty(budget, n * tcfg.hidden_size, dtype=tdtype, device=device)
+                      for n in ([below] if below else []) + [1]]
 
 def save_checkpoint(step):
     # the export first: a run stopped between the two leaves an export at least as new as the
@@ -806,7 +934,9 @@ for step, kind, r in schedule(start_step):
                          "Lower --lr or check the data")
         rows_done = n_window * n_pairs
         step_ms = seconds * 1e3 / n_window
-        target_ms = stats[:, 0].max().item()
+        target_ms = stats[target_ranks, 0].max().item()
+        # a split pair's target layers K..last, on the drafter GPU (its local_ms)
+        moved_ms = stats[[r + half for r in target_ranks], 0].max().item() if split else 0.0
         rec = dict(kind="train", step=step + 1, epoch=(step + 1) / steps_per_epoch,
                    # (epoch, row) of the data plan this pair trained, per step of the window
                    rows=[[epoch, index] for _, epoch, index in flags],
@@ -824,8 +954,10 @@ for step, kind, r in schedule(start_step):
                    anchors_cut=int(m["wanted"] - m["blocks"]),
                    pad_frac=1 - m["blocks"].item() / (rows_done * row_anchors),
                    ms_step=step_ms, ms_target=target_ms, ms_wait=wait_ms, ms_drafter=drafter_ms,
+                   split_layer=split, ms_target_on_drafter=moved_ms,
                    # per GPU (world 1: one GPU)
-                   busy_target=target_ms / step_ms, busy_drafter=drafter_ms / step_ms,
+                   busy_target=target_ms / step_ms,
+                   busy_drafter=(drafter_ms + moved_ms) / step_ms,
                    mem_gib=stats[:, 1].tolist(),
                    # compiled on this rank so far
                    graphs=torch._dynamo.utils.counters["stats"]["unique_graphs"])
@@ -834,7 +966,8 @@ for step, kind, r in schedule(start_step):
                  f"gnorm {rec['gnorm']:.2f} | "
                  f"{rec['tok_s']:.0f} tok/s {rec['blocks_s']:.0f} blocks/s | "
                  f"anchors/row {rec['anchors_row']:.0f} cut {rec['anchors_cut']} "
-                 f"pad {rec['pad_frac']:.0%} | ms target {target_ms:.0f} wait {wait_ms:.0f} "
+                 f"pad {rec['pad_frac']:.0%} | ms target {target_ms:.0f}"
+                 f"{f'+{moved_ms:.0f}' if split else ''} wait {wait_ms:.0f} "
                  f"drafter {drafter_ms:.0f} busy {rec['busy_target']:.0%} "
                  f"{rec['busy_drafter']:.0%} | "
                  f"mem GiB {' '.join(f'{x:.1f}' for x in rec['mem_gib'])}")
