@@ -43,6 +43,24 @@ REBUILD = ("rebuild it with `python data.py prepare --input FILE.jsonl --out DIR
 class DataError(ValueError):
     """Bad data on disk or in the input. The message names the file and the fix."""
 
+# the command lines of data.py, train.py and generate.py: a bad flag is one line, as every error
+
+class ArgParser(argparse.ArgumentParser):
+    """argparse whose errors are one line (its usage block would bury them); exit status 2."""
+    def error(self, message):
+        self.exit(2, f"error: {message.removeprefix('argument ')}\n")
+
+def number(kind, lo, hi=float("inf"), above=False):
+    """An argparse type: a `kind` (int or float) in [lo, hi], or (lo, hi] when `above`."""
+    def parse(s):
+        v = kind(s)
+        if not ((v > lo if above else v >= lo) and v <= hi):    # NaN fails too
+            raise argparse.ArgumentTypeError(f"{s} must be {'>' if above else '>='} {lo}"
+                                             + (f" and <= {hi}" if hi < float("inf") else ""))
+        return v
+    parse.__name__ = kind.__name__      # argparse's "invalid int value: 'x'"
+    return parse
+
 # -----------------------------------------------------------------------------
 # writing: stream samples into DIR.tmp-<pid>, then rename to DIR in one step
 
@@ -130,7 +148,7 @@ class Dataset:
             with open(meta_path) as f:
                 meta = json.load(f)
             n, n_tokens, version = int(meta["n_samples"]), int(meta["n_tokens"]), meta["version"]
-            self.vocab_size = int(meta["vocab_size"])
+            self.vocab_size, self.n_supervised = int(meta["vocab_size"]), int(meta["n_supervised"])
         except (ValueError, KeyError, TypeError) as e:
             raise DataError(f"{meta_path} is unreadable ({e!r}); {REBUILD}")
         if version != VERSION:
@@ -166,8 +184,9 @@ class Dataset:
 
 def open_dataset(path):
     """Open a dataset directory, or the parent that prepare/demo wrote (then its train/ split)."""
+    # a train/ whose meta.json is missing is named as such, not as DIR/meta.json
     if (not os.path.exists(os.path.join(path, "meta.json"))
-            and os.path.exists(os.path.join(path, "train", "meta.json"))):
+            and os.path.isdir(os.path.join(path, "train"))):
         path = os.path.join(path, "train")
     return Dataset(path)
 
@@ -189,8 +208,8 @@ class Packer:
     goes to shard r % n_shards. The plan needs only lengths, so every shard computes the same one
     on its own and all agree on steps_per_epoch (which can differ by a row or so between epochs,
     as the order changes). A sample longer than budget keeps its first `budget` tokens:
-    `truncated` and `truncated_tokens` count them per epoch, over the whole dataset, so the
-    trainer can warn once at start."""
+    `truncated` and `truncated_tokens` count them per epoch, over the whole dataset, and
+    truncated_supervised() the supervised tokens lost, so the trainer can warn once at start."""
 
     def __init__(self, dataset, budget, n_shards=1, shard=0, seed=0, shuffle=True):
         assert 0 <= shard < n_shards, f"shard {shard} must be in [0, n_shards={n_shards})"
@@ -223,6 +242,14 @@ class Packer:
         # ceil: short shards get a filler row
         self.steps_per_epoch = -(-(len(starts) - 1) // self.n_shards)
         self._planned = (self.epoch, self.seed)
+
+    def truncated_supervised(self):
+        """Supervised tokens past `budget` in their sample, per epoch: what truncation costs the
+        loss (reads only the truncated samples' tails)."""
+        ds, lost = self.ds, 0
+        for i in np.flatnonzero(ds.lengths > self.budget).tolist():
+            lost += int(ds.loss_mask[ds.offsets[i] + self.budget:ds.offsets[i + 1]].sum())
+        return lost
 
     def next_row(self):
         if self.step >= self.steps_per_epoch:
@@ -732,6 +759,11 @@ def prepare(input, out, tokenizer=None, val=None, vocab_size=None, force=False, 
             raise DataError(f"{input}: {n_bad} of {total} lines ({n_bad / total:.1%}) are bad, "
                             f"more than --max-bad {max_bad:g}; "
                             "fix the input, or raise --max-bad to accept the loss")
+        # checked before either split is committed: a lone train/ would train with no eval
+        for w, s in zip(writers, ("train", "val")):
+            if w.n == 0:
+                raise DataError(f"{input}: every line of the {s} split is bad (see above), so "
+                                f"{w.out} would be empty; fix those lines or change --val")
         metas = []
         for w, s, c in zip(writers, ("train", "val"), counts):
             extra = {}
@@ -1179,7 +1211,7 @@ def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temp
 def _val_arg(s):  # --val: a number of lines (>= 1) or a fraction of them in (0, 1)
     v = float(s)
     if not (0 < v < 1 or (v >= 1 and v == int(v))):
-        raise argparse.ArgumentTypeError(f"--val {s}: give a number of samples >= 1 "
+        raise argparse.ArgumentTypeError(f"{s}: give a number of samples >= 1 "
                                          "or a fraction in (0, 1)")
     return v if v < 1 else int(v)
 
@@ -1221,8 +1253,7 @@ input's bad lines; the exit status is 1 when requests failed, and --resume retri
 """
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("prepare", help="JSONL -> DIR/train (+ DIR/val)")
     p.add_argument("--input", required=True,

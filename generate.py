@@ -30,6 +30,7 @@ import torch
 
 from target import Target, TargetConfig
 from model import Drafter, DrafterConfig
+from data import ArgParser, DataError, number
 
 # -----------------------------------------------------------------------------
 # the two decodes (one prompt at a time, ids on the target's device)
@@ -219,8 +220,7 @@ def hf_eos(path):
 
 def main(argv=None):
     from data import _kwargs_arg
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="tiny",
                     help="HF checkpoint dir of a Qwen3.5/3.6 model, "
                     "or a preset: tiny, qwen3.6-27b, qwen3.5-35b-a3b, qwen3.6-35b-a3b "
@@ -240,20 +240,25 @@ def main(argv=None):
     ap.add_argument("--chat-template-kwargs", type=_kwargs_arg, default={},
                     help="JSON object of template variables for --prompts, e.g. "
                     "'{\"enable_thinking\": false}': the ones you serve with")
-    ap.add_argument("--random-prompts", type=int, default=0,
+    ap.add_argument("--random-prompts", type=number(int, 0), default=0,
                     help="instead: this many prompts of uniform random token ids "
                     "(cost measurements)")
-    ap.add_argument("--prompt-len", type=int, default=1024, help="tokens per random prompt")
-    ap.add_argument("--num-prompts", type=int, default=8,
+    ap.add_argument("--prompt-len", type=number(int, 1), default=1024,
+                    help="tokens per random prompt")
+    ap.add_argument("--num-prompts", type=number(int, 1), default=8,
                     help="prompts taken from --data or --prompts")
-    ap.add_argument("--max-new-tokens", type=int, default=256,
+    ap.add_argument("--max-new-tokens", type=number(int, 1), default=256,
                     help="tokens generated per prompt (both decodes)")
     ap.add_argument("--eos", default=None,
                     help="comma-separated end-of-sequence token ids; default: the "
                     "checkpoint's generation_config.json/config.json, none for presets")
-    ap.add_argument("--seed", type=int, default=0,
+    ap.add_argument("--seed", type=number(int, 0), default=0,
                     help="seed of --random-prompts and of --drafter random")
     args = ap.parse_args(argv)
+    try:
+        eos = [int(x) for x in args.eos.split(",")] if args.eos else None
+    except ValueError:
+        sys.exit(f"error: --eos {args.eos}: comma-separated token ids, e.g. --eos 248046,248044")
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -293,25 +298,24 @@ def main(argv=None):
             target = Target.from_pretrained(args.target, device=device, dtype=dtype)
     except (ValueError, KeyError, FileNotFoundError) as e:
         sys.exit(f"error: --target {args.target}: {e}")
-    if args.eos:
-        eos = [int(x) for x in args.eos.split(",")]
-    else:
-        eos = hf_eos(args.target)
+    eos = hf_eos(args.target) if eos is None else eos
 
     if args.random_prompts:
         g = torch.Generator().manual_seed(args.seed)
         prompts = [torch.randint(0, tcfg.vocab_size, (args.prompt_len,), generator=g)
                    for _ in range(args.random_prompts)]
-    elif args.prompts:
-        if not args.tokenizer:
-            sys.exit("error: --prompts needs --tokenizer DIR (the checkpoint whose chat template "
-                     "renders the prompts)")
-        prompts = chat_prompts(args.prompts, args.tokenizer, args.num_prompts,
-                               args.chat_template_kwargs)
+    elif args.prompts and not args.tokenizer:
+        sys.exit("error: --prompts needs --tokenizer DIR (the checkpoint whose chat template "
+                 "renders the prompts)")
     else:
         data_dir = args.data or os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                              "data", "demo")
-        prompts = dataset_prompts(data_dir, args.num_prompts)
+        try:               # a missing file, a broken dataset or tokenizer: one line naming it
+            prompts = (chat_prompts(args.prompts, args.tokenizer, args.num_prompts,
+                                    args.chat_template_kwargs) if args.prompts
+                       else dataset_prompts(data_dir, args.num_prompts))
+        except (DataError, OSError) as e:
+            sys.exit(f"error: {e}")
     if not prompts:
         sys.exit("error: no prompts (empty --prompts file or val split)")
     bad = [i for i, p in enumerate(prompts) if int(p.max()) >= tcfg.vocab_size]

@@ -491,8 +491,9 @@ class Drafter(nn.Module):
     # -------------------------------------------------------------------------
     # 6) export in the z-lab format
 
-    def save_pretrained(self, out_dir):
-        """z-lab format: config.json + model.safetensors (bf16, keys without a `model.` prefix)."""
+    def save_pretrained(self, out_dir, step=None):
+        """z-lab format: config.json + model.safetensors (bf16, keys without a `model.` prefix),
+        each replaced atomically; `step` goes into the safetensors metadata."""
         from safetensors.torch import save_file
         c = self.config
         os.makedirs(out_dir, exist_ok=True)
@@ -514,27 +515,53 @@ class Drafter(nn.Module):
         tensors = {k: v.detach().to(torch.bfloat16).contiguous().cpu()
                    for k, v in self.state_dict().items()}
         tmp = os.path.join(out_dir, f".tmp-{os.getpid()}")
-        save_file(tensors, tmp + ".safetensors", metadata={"format": "pt"})
-        with open(tmp + ".json", "w") as f:
-            json.dump(cfg, f, indent=2)
-        # atomic per file
-        os.replace(tmp + ".safetensors", os.path.join(out_dir, "model.safetensors"))
-        os.replace(tmp + ".json", os.path.join(out_dir, "config.json"))
+        meta = {"format": "pt", **({"step": str(step)} if step is not None else {})}
+        try:
+            save_file(tensors, tmp + ".safetensors", metadata=meta)
+            with open(tmp + ".json", "w") as f:
+                json.dump(cfg, f, indent=2)
+            # safetensors creates 0600; give it the mode open() gave config.json (0644 under
+            # umask 022), so a server running as another user can read it
+            os.chmod(tmp + ".safetensors", os.stat(tmp + ".json").st_mode & 0o777)
+            os.replace(tmp + ".safetensors", os.path.join(out_dir, "model.safetensors"))
+            os.replace(tmp + ".json", os.path.join(out_dir, "config.json"))
+        finally:            # a failed write (a full disk) leaves no half-written file behind
+            for p in (tmp + ".safetensors", tmp + ".json"):
+                if os.path.exists(p):
+                    os.remove(p)
 
     @classmethod
     def from_pretrained(cls, path, device="cpu", dtype=torch.float32):
-        """Loads a z-lab format drafter. A config field this drafter cannot honour is a ValueError
-        naming it."""
+        """Loads a z-lab format drafter. A missing file or field, a config field this drafter cannot
+        honour, a tensor of the wrong shape: a one-line ValueError naming the file."""
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
-        with open(os.path.join(path, "config.json")) as f:
-            cfg = json.load(f)
+        files = [os.path.join(path, f) for f in ("config.json", "model.safetensors")]
+        for f in files:
+            if not os.path.isfile(f):
+                raise ValueError(f"{f} not found: a z-lab format drafter dir holds config.json "
+                                 "and model.safetensors")
         try:
-            config = config_from_json(cfg)
-        except ValueError as e:
-            raise ValueError(f"{os.path.join(path, 'config.json')}: {e}") from None
+            with open(files[0]) as f:
+                config = config_from_json(json.load(f))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:   # KeyError: no such field
+            why = f"no field {e}" if isinstance(e, KeyError) else e
+            raise ValueError(f"{files[0]}: {why}") from None
         model = cls(config)
-        # strict: exact key set
-        model.load_state_dict(load_file(os.path.join(path, "model.safetensors")))
+        try:
+            weights = load_file(files[1])
+        except SafetensorError as e:
+            raise ValueError(f"{files[1]}: {e}") from None
+        # the exact key set and shapes, named (load_state_dict's error is a page long)
+        want = model.state_dict()
+        for k in sorted(want.keys() | weights.keys()):
+            got, shape = weights.get(k), want[k].shape if k in want else None
+            if got is None or shape is None or got.shape != shape:
+                have = tuple(got.shape) if got is not None else "missing"
+                need = tuple(shape) if shape is not None else "absent"
+                raise ValueError(f"{files[1]} does not fit {files[0]}: tensor {k} is {have}, the "
+                                 f"config makes it {need}")
+        model.load_state_dict(weights)
         return model.to(device=device, dtype=dtype)
 
 def config_from_json(cfg):
@@ -542,6 +569,9 @@ def config_from_json(cfg):
     read from either spelling: transformers 4.x `rope_scaling` + top-level `rope_theta` (z-lab's),
     or 5.x `rope_parameters`."""
     dflash = cfg.get("dflash_config", {})
+    if not {"mask_token_id", "target_layer_ids"} <= set(dflash):
+        raise ValueError("no dflash_config with mask_token_id and target_layer_ids: not a DFlash "
+                         "drafter config")
     names = {f.name for f in fields(DrafterConfig)}
     kw = {k: v for k, v in cfg.items() if k in names}
     kw.update(block_size=dflash.get("block_size", cfg.get("block_size", 16)),

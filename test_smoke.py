@@ -1795,6 +1795,11 @@ def test_packer_truncation(tmp_path):
     d = open_dataset(tmp_path / "d")
     p = Packer(d, 64, shuffle=False)
     assert p.truncated == 2 and p.truncated_tokens == 36 + 1
+    # supervised tokens lost: sample 0 supervised on 0..69 (6 of them past 64), sample 3 on all
+    mask0 = (np.arange(100) < 70).astype(np.uint8)
+    write_dataset(tmp_path / "m", [(np.arange(100) + 1, mask0)] + [(np.arange(L) + 1, np.ones(L, np.uint8))
+                                                                    for L in lens[1:]])
+    assert Packer(open_dataset(tmp_path / "m"), 64, shuffle=False).truncated_supervised() == 6 + 1
     rows = [p.next_row() for _ in range(p.steps_per_epoch)]
     assert [r.samples.tolist() for r in rows] == [[0], [1], [2], [3], [4]]
     for r in rows:
@@ -1865,7 +1870,11 @@ def test_cli_errors(tmp_path):
     r = cli("prepare", "--input", tmp_path / "in.jsonl", "--out", tmp_path / "d", "--force", "--val", 10)
     assert r.returncode == 1 and "fewer than all" in r.stderr
     r = cli("prepare", "--input", tmp_path / "in.jsonl", "--out", tmp_path / "d", "--val", 1.5)
-    assert r.returncode == 2
+    assert r.returncode == 2 and r.stderr == "error: --val: 1.5: give a number of samples >= 1 or a fraction in (0, 1)\n"
+    # the one held-out line (the last) is bad: nothing is written, not even train/
+    write_jsonl(tmp_path / "v.jsonl", [good(i) for i in range(9)] + ["{bad"])
+    r = cli("prepare", "--input", tmp_path / "v.jsonl", "--out", tmp_path / "e", "--val", 1, "--max-bad", 0.5)
+    assert r.returncode == 1 and "every line of the val split is bad" in r.stderr and os.listdir(tmp_path / "e") == []
     assert sorted(os.listdir(tmp_path / "d")) == ["train", "val"]  # no temp directories left behind
 
 

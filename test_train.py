@@ -12,6 +12,7 @@ import math
 import os
 import re
 import resource
+import shutil
 import signal
 import struct
 import subprocess
@@ -24,7 +25,7 @@ import torch
 from safetensors import safe_open
 from transformers import Qwen3Config
 
-from data import open_dataset, write_dataset
+from data import Packer, open_dataset, write_dataset
 from model import Drafter, DrafterConfig
 from target import TargetConfig
 from test_smoke import (BAD_LAYOUTS, YARN, demo_data, edit_config, tiny_target, write_published_tiny,
@@ -321,11 +322,12 @@ def test_start_checks(tmp_path):
     sample = (np.arange(600, dtype=np.uint32), np.ones(600, np.uint8))
     write_dataset(str(big / "train"), [sample], vocab_size=1000)
     fails = lambda name, *flags, **kw: train(tmp_path / name, *flags, ok=False, **kw)
-    assert "past the target's vocab (512)" in fails("o1", "--data", big)
+    assert "was prepared for a vocab of 1000 (largest token id 599), past the target's 512" in fails(
+        "o1", "--data", big)
     assert "--mask-token-id 99999 is not a row of the target's embedding" in fails(
         "o2", "--mask-token-id", "99999")
     assert "--row-anchors 200 is too many for --budget 128: at most 32" in fails("o3", "--row-anchors", "200")
-    assert "--anchors 0 must be at least 1" in fails("o3b", "--anchors", "0")
+    assert "error: --anchors: 0 must be >= 1" in fails("o3b", "--anchors", "0")
     assert "--budget 16 must hold at least two blocks" in fails("o4", "--budget", "16")
     # a drafter on taps [1, 5], not the default [1, 3, 5]
     other = Drafter(DrafterConfig.from_target(TargetConfig.preset("tiny"), n_feat=2))
@@ -677,3 +679,241 @@ def test_regenerate_prepare_train(tmp_path):
     print(f"regenerate -> prepare -> train: {len(rows)} prompts, answers token-exact {exact}, "
           f"held-out accept {evals[0]['accept']:.3f} -> {evals[-1]['accept']:.3f}")
     assert evals[-1]["accept"] > evals[0]["accept"] + 0.05, [e["accept"] for e in evals]
+
+
+# ==================================================================================================
+# nothing silently wrong: resume under changed flags, runs that learn nothing, output dirs, one-line errors
+
+FAST = ["--no-compile", "--eval-interval", "1000", "--log-interval", "1"]
+
+
+def one_line_error(r):
+    """A run_apart result that failed with one line on stderr, "error: ...", and no traceback."""
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode != 0 and len(lines) == 1 and lines[0].startswith("error: "), r.stderr[-3000:]
+    assert "Traceback" not in r.stdout + r.stderr
+    return lines[0]
+
+
+def read_log(out):
+    """OUT/log.jsonl read by README's rule: a start record of step r supersedes the earlier records of
+    steps past r (a resumed run redid them); of records of one kind and step, the last one counts.
+    Returns {kind: [records in step order]}."""
+    latest = {}
+    with open(os.path.join(out, "log.jsonl")) as f:
+        for r in map(json.loads, f):
+            if r["kind"] == "start":
+                latest = {k: v for k, v in latest.items() if k[1] <= r["step"]}
+            latest[r["kind"], r["step"]] = r
+    kinds = {}
+    for (kind, step), r in sorted(latest.items(), key=lambda kv: kv[0][1]):
+        kinds.setdefault(kind, []).append(r)
+    return kinds
+
+
+def export_weights(path):
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A finished 2-step run (one process, one pair): what the resume refusals are tried on."""
+    out = tmp_path_factory.mktemp("finished")
+    train(out, "--max-steps", 2, *FAST)
+    return out
+
+
+@pytest.mark.parametrize("flags,msg", [
+    (["--resume", "--budget", 256], "error: --resume: --budget 256 differs from the checkpoint's 128; "
+                                    "resume with --budget 128, or start a new --out"),
+    (["--resume", "--block-size", 8], "error: --resume: --block-size 8 differs from the checkpoint's 16"),
+    (["--resume", "--sliding-window", 8], "error: --resume: --sliding-window 8 differs from the checkpoint's 0"),
+    (["--resume", "--gamma", 5], "error: --resume: --gamma 5.0 differs from the checkpoint's 7.0"),
+    (["--resume", "--data", "OTHER"], "error: --resume: the --data differs from the checkpoint's: n_samples 3 "
+                                      "(checkpoint: 384)"),
+    (["--resume", "--max-steps", 1], "error: --resume: the checkpoint is at step 2, past this run's 1 steps"),
+    ([], "error: --out OUT holds a run (OUT/ckpt.pt); continue it with --resume, start over with --overwrite"),
+], ids=["budget", "block-size", "sliding-window", "gamma", "data", "max-steps", "no-resume"])
+def test_resume_refuses_what_changes_the_run(finished, tmp_path, flags, msg):
+    """A resume that would train another drafter or other rows, or a new run over a finished one:
+    one line naming the flag and both values; the run's files untouched."""
+    other = tmp_path / "other"
+    write_dataset(str(other / "train"), [(np.arange(1, 60), np.ones(59, np.uint8))] * 3, vocab_size=512)
+    flags = [other if f == "OTHER" else f for f in flags]
+    before = {p: p.read_bytes() for p in (finished / "ckpt.pt", finished / "log.jsonl")}
+    r = run_apart(train_cmd(finished, "--max-steps", 2, *FAST, *flags))
+    assert one_line_error(r).startswith(msg.replace("OUT", str(finished)))
+    assert all(p.read_bytes() == b for p, b in before.items())
+
+
+def test_resume_refuses_another_pair_count(finished):
+    """The data is dealt to pairs row by row: a 1-pair checkpoint resumed on 2 pairs is refused."""
+    text = train(finished, "--max-steps", 4, *FAST, "--resume", nproc=4, port=29551, ok=False)
+    assert ("error: --resume: 2 pair(s) (4 processes) differ from the checkpoint's 1: rows are dealt to "
+            "pairs; resume on 2 processes (1 pair(s)), or start a new --out") in text, text[-3000:]
+    assert torch.load(finished / "ckpt.pt", weights_only=False)["step"] == 2
+
+
+def test_resume_with_safe_changes_trains_the_planned_rows(tmp_path):
+    """Killed after its step-10 checkpoint, resumed with another --lr, --log-interval and process
+    count (2 processes: still one pair): every step trains the row of the data plan (data.Packer
+    replayed here), across an epoch boundary; the log read by README's rule is one clean run."""
+    # rows of 1024 tokens: 25 per epoch; one anchor per document keeps the steps cheap
+    flags = ["--budget", 1024, "--anchors", 1, "--max-steps", 30, "--save-interval", 10, *FAST]
+    p = start(tmp_path, *flags)
+    for line in p.stdout:
+        if line.startswith("step 13/"):
+            break
+    p.kill()
+    p.wait()
+    text = train(tmp_path, *flags, "--resume", "--lr", "3e-4", "--log-interval", 2, nproc=2, port=29553)
+    assert (f"resume: step 10 of {tmp_path / 'ckpt.pt'}; changed: --lr 0.0006 -> 0.0003, --log-interval "
+            "1 -> 2, processes 1 -> 2") in text, text[-3000:]
+    log = read_log(tmp_path)
+    assert [r["step"] for r in log["start"]] == [0, 10] and log["start"][1]["changed"]["--lr"] == [6e-4, 3e-4]
+    assert [r["step"] for r in log["train"]] == list(range(1, 11)) + list(range(12, 31, 2))
+    packer = Packer(open_dataset(demo_data()), 1024, seed=0)
+    plan = [[row.epoch, row.index] for row in (packer.next_row() for _ in range(30))]
+    assert plan[-1][0] == 1                                     # the plan crosses into epoch 1
+    assert [w for r in log["train"] for w in r["rows"]] == plan
+
+
+def test_learns_nothing_stops_at_start(tmp_path):
+    """No supervised token, or none inside --budget: one line at start. Truncation that loses more
+    than 5% of the supervised tokens: a warning, and the counts in the start record."""
+    tokens = np.arange(600) % 500 + 1
+    past = np.zeros(600, np.uint8)
+    past[300:] = 1
+    cases = {"zero": ([(tokens[:99], np.zeros(99, np.uint8))] * 4, "its loss mask is all zero"),
+             "past": ([(tokens, past)] * 4, "all its supervised tokens lie past --budget 128 in their samples "
+                                            "(truncated); raise --budget (longest sample: 600 tokens)")}
+    for name, (samples, why) in cases.items():
+        write_dataset(str(tmp_path / name / "train"), samples, vocab_size=512)
+        r = run_apart(train_cmd(tmp_path / f"o-{name}", "--data", tmp_path / name, *FAST))
+        assert one_line_error(r).startswith(f"error: --data {tmp_path / name}: nothing to learn: {why}")
+    long = [(tokens, np.ones(600, np.uint8))] + [(tokens[:50], np.ones(50, np.uint8))] * 4
+    write_dataset(str(tmp_path / "long" / "train"), long, vocab_size=512)
+    text = train(tmp_path / "o-long", "--data", tmp_path / "long", "--max-steps", 1, *FAST)
+    assert "truncated samples per epoch: 1 (472 tokens, 472 of 800 supervised)" in text
+    assert "warning: --budget 128 truncates 59.0% of the supervised tokens away" in text
+    assert train_log(tmp_path / "o-long", "start")[0]["truncated"] == dict(samples=1, tokens=472, supervised=472)
+
+
+def test_out_in_use_and_overwrite(finished, tmp_path):
+    """A second run on an --out in use is refused, naming the lock and its holder; --overwrite starts
+    over in a finished one (its old checkpoint, export and log gone first)."""
+    out = tmp_path / "busy"
+    p = start(out, "--max-steps", 100000, *FAST)
+    try:
+        for line in p.stdout:
+            if line.startswith("start: logging to"):
+                break
+        r = run_apart(train_cmd(out, "--max-steps", 2, *FAST))
+        assert one_line_error(r) == (f"error: --out {out} is in use: pid {p.pid} holds {out / 'lock'}; "
+                                     "wait for that run to end, or pick another --out")
+    finally:
+        p.kill()
+        p.wait()
+    shutil.copytree(finished, tmp_path / "again")
+    train(tmp_path / "again", "--max-steps", 1, *FAST, "--overwrite")
+    assert [r["kind"] for r in map(json.loads, open(tmp_path / "again" / "log.jsonl"))][0] == "start"
+    assert len(train_log(tmp_path / "again", "start")) == 1
+    assert torch.load(tmp_path / "again" / "ckpt.pt", weights_only=False)["step"] == 1
+
+
+def test_kill_during_final_export_then_resume(tmp_path):
+    """SIGTERM while the final export is being written (here: its config.json blocks on a FIFO), then
+    --resume: the half-written files are removed and the export equals the checkpoint's weights, at the
+    same step, readable by all (0644)."""
+    flags = ["--max-steps", 8, "--save-interval", 4, *FAST]
+    p = start(tmp_path, *flags)
+    for line in p.stdout:
+        if line.startswith("step 4: saved"):
+            os.mkfifo(tmp_path / "drafter" / f".tmp-{p.pid}.json")     # the step-8 export's config.json
+        if line.startswith("step 8/8"):
+            break
+    while not (tmp_path / "drafter" / f".tmp-{p.pid}.safetensors").exists():
+        time.sleep(0.05)
+    time.sleep(0.2)
+    p.send_signal(signal.SIGTERM)
+    assert "stopping on SIGTERM" in p.communicate(timeout=60)[0] and p.returncode == 143
+    resumed = train(tmp_path, *flags, "--resume")
+    assert "removed 2 file(s) a stopped run left half-written" in resumed and printed_steps(resumed) == [5, 6, 7, 8]
+    assert [f for f in os.listdir(tmp_path / "drafter") if f.startswith(".")] == []
+    ck = torch.load(tmp_path / "ckpt.pt", weights_only=False)
+    weights, meta = export_weights(tmp_path / "drafter")
+    assert ck["step"] == 8 and meta["step"] == "8"
+    assert weights.keys() == ck["drafter"].keys()
+    assert all(torch.equal(weights[k], v.to(torch.bfloat16)) for k, v in ck["drafter"].items())
+    for f in ("model.safetensors", "config.json"):
+        assert os.stat(tmp_path / "drafter" / f).st_mode & 0o777 == 0o644, f
+
+
+def test_full_out_is_one_line(tmp_path):
+    """A write that fails (a full disk; here the file-size limit with SIGXFSZ ignored: EFBIG) names
+    the file and the errno, and leaves no half-written checkpoint."""
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (3 << 19, 3 << 19))     # the export fits, ckpt.pt not
+    r = subprocess.run(train_cmd(tmp_path, "--max-steps", 1, *FAST), cwd=HERE, env=clean_env(),
+                       capture_output=True, text=True, timeout=900, preexec_fn=limit)
+    line = one_line_error(r)
+    assert line.startswith(f"error: --out {tmp_path}: cannot write {tmp_path / 'ckpt.pt'}.tmp-") and \
+        "(step 1): [Errno 27] File too large; free space or fix permissions, then continue with --resume" in line
+    assert sorted(os.listdir(tmp_path)) == ["drafter", "lock", "log.jsonl"]
+
+
+def bad_init_drafter(tmp_path, broken):
+    d = tmp_path / "d"
+    Drafter(DrafterConfig.from_target(TargetConfig.preset("tiny"))).save_pretrained(str(d))
+    broken(d)
+    return ["--init-drafter", d]
+
+
+ONE_LINE = {   # name: (flags, or a function of tmp_path giving them; what the line says)
+    **{f"{flag} {v}": ([flag, v], f"error: {flag}: {v} must be {op}") for flag, v, op in [
+        ("--max-steps", 0, ">= 1"), ("--epochs", 0, ">= 1"), ("--drafter-layers", 0, ">= 1"),
+        ("--log-interval", 0, ">= 1"), ("--save-interval", 0, ">= 1"), ("--eval-interval", 0, ">= 1"),
+        ("--block-size", 0, ">= 2"), ("--block-size", 1, ">= 2"), ("--seed", -1, ">= 0"),
+        ("--lr", -1, "> 0"), ("--gamma", 0, "> 0"), ("--warmup", 2, ">= 0 and <= 1")]},
+    "n-feat": (["--n-feat", 20], "error: --n-feat 20: the target's 8 layers give taps [1, 1, 1, 2,"),
+    "init-missing": (lambda t: ["--init-drafter", t / "nope"], "config.json not found"),
+    "init-no-weights": (lambda t: bad_init_drafter(t, lambda d: os.remove(d / "model.safetensors")),
+                        "model.safetensors not found"),
+    "init-shapes": (lambda t: bad_init_drafter(
+        t, lambda d: edit_config(d, lambda j: j.update(intermediate_size=99))), "does not fit"),
+    "init-no-dflash": (lambda t: bad_init_drafter(t, lambda d: edit_config(d, lambda j: j.pop("dflash_config"))),
+                       "no dflash_config with mask_token_id and target_layer_ids"),
+    "truncated-tokens": (lambda t: ["--data", copy_demo(t, lambda d: os.truncate(d / "train" / "tokens.bin", 40))],
+                         "train/tokens.bin is 40 bytes, but meta.json says"),
+    "no-train-meta": (lambda t: ["--data", copy_demo(t, lambda d: os.remove(d / "train" / "meta.json"))],
+                      "train/meta.json not found"),
+    "out-not-a-dir": (lambda t: ["--out", (t / "file").write_text("") or t / "file" / "o"],
+                      "[Errno 20] Not a directory"),
+}
+
+
+def copy_demo(tmp_path, broken):
+    shutil.copytree(demo_data(), tmp_path / "data")
+    broken(tmp_path / "data")
+    return tmp_path / "data"
+
+
+@pytest.mark.parametrize("name", ONE_LINE)
+def test_one_line_errors(tmp_path, name):
+    """Each bad flag or file: exit code != 0, one line on stderr starting with "error:" and saying
+    what is wrong, no traceback (and no --resume advice)."""
+    flags, msg = ONE_LINE[name]
+    flags = flags(tmp_path) if callable(flags) else flags
+    line = one_line_error(run_apart(train_cmd(tmp_path / "out", "--max-steps", 1, *FAST, *flags)))
+    assert msg in line and "--resume" not in line, line
+
+
+@pytest.mark.parametrize("flags,msg", [
+    (["--max-new-tokens", 0], "error: --max-new-tokens: 0 must be >= 1"),
+    (["--num-prompts", 0], "error: --num-prompts: 0 must be >= 1"),
+    (["--eos", "x"], "error: --eos x: comma-separated token ids"),
+])
+def test_generate_one_line_errors(flags, msg):
+    assert one_line_error(run_apart(generate_cmd("--drafter", "random", *flags))).startswith(msg)

@@ -9,7 +9,10 @@ target -> drafter.
   torchrun --nproc_per_node=2 train.py --target qwen3.6-27b --anchors 512 --budget 8192  # preset
 """
 import argparse
+import errno
+import fcntl
 import getpass
+import glob
 import json
 import math
 import os
@@ -23,33 +26,36 @@ from contextlib import nullcontext
 from datetime import timedelta
 
 t_launch = time.perf_counter()      # the log's elapsed time counts from here
-parser = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+# numpy only: nothing before the cache settings below may import triton
+from data import ArgParser, number
+
+# number(int, 1): an int >= 1; a bad flag stops the run with one line naming it
+parser = ArgParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 group = parser.add_argument_group("data")
 group.add_argument("--data", default=None, help="prepared dataset dir (data.py prepare); "
                    "default: the demo data, built in ./data/demo on first use")
-group.add_argument("--budget", type=int, default=128,
+group.add_argument("--budget", type=number(int, 1), default=128,
                    help="tokens per packed row (context length), fixed")
-group.add_argument("--eval-rows", type=int, default=8,
+group.add_argument("--eval-rows", type=number(int, 0), default=8,
                    help="held-out rows per evaluation (from DATA/val)")
-group.add_argument("--generate-prompts", type=int, default=0,
+group.add_argument("--generate-prompts", type=number(int, 0), default=0,
                    help="at the end, greedy speculative decoding (generate.py) on this many "
                    "DATA/val prompts: the real acceptance length tau; one process only")
-group.add_argument("--generate-tokens", type=int, default=64,
+group.add_argument("--generate-tokens", type=number(int, 1), default=64,
                    help="new tokens per --generate-prompts prompt")
 group = parser.add_argument_group("models")
 group.add_argument("--target", default="tiny", help="HF checkpoint dir of a Qwen3.5/3.6 model "
                    "(dense or MoE), or a preset: tiny, qwen3.6-27b, qwen3.5-35b-a3b, "
                    "qwen3.6-35b-a3b (random weights)")
-group.add_argument("--drafter-layers", type=int, default=None,
+group.add_argument("--drafter-layers", type=number(int, 1), default=None,
                    help="drafter decoder layers (default: z-lab's published drafter for the "
                    "target: 5 for the 27B, 6 for the 35B-A3B; else 5)")
-group.add_argument("--n-feat", type=int, default=None,
+group.add_argument("--n-feat", type=number(int, 1), default=None,
                    help="tapped target layers (default: the published drafter's, 5 for the 27B, "
                    "8 for the 35B-A3B; else 5, 3 under 16 target layers)")
-group.add_argument("--block-size", type=int, default=16,
+group.add_argument("--block-size", type=number(int, 2), default=16,
                    help="tokens per draft block: the anchor + block-size-1 drafted tokens")
-group.add_argument("--mask-token-id", type=int, default=None,
+group.add_argument("--mask-token-id", type=number(int, 0), default=None,
                    help="embedding row of the masked slots (default: z-lab's for the vocab)")
 group.add_argument("--init-drafter", default=None, help="start from a z-lab format drafter dir, "
                    "not random init (its config's layer layout and RoPE are kept)")
@@ -59,32 +65,40 @@ group.add_argument("--sliding-window", type=int, default=None,
                    "attention (default: the published drafter's, 2048 for the 27B, 4096 for the "
                    "35B-A3B; else 0)")
 group = parser.add_argument_group("optimization")
-group.add_argument("--anchors", type=int, default=16, help="draft blocks per document (sample) "
-                   "and step, at most: the recipe's 512 per sample")
-group.add_argument("--row-anchors", type=int, default=0,
+group.add_argument("--anchors", type=number(int, 1), default=16,
+                   help="draft blocks per document (sample) and step, at most: the recipe's 512 "
+                   "per sample")
+group.add_argument("--row-anchors", type=number(int, 0), default=0,
                    help="draft blocks per packed row, fixed (the compiled shape: the drafter sees "
                    "row-anchors*block-size query tokens); 0: the 90th percentile of what the "
                    "data's rows ask for, measured at start")
-group.add_argument("--gamma", type=float, default=7.0,
+group.add_argument("--gamma", type=number(float, 0, above=True), default=7.0,
                    help="loss decay over block slots: weight exp(-(k-1)/gamma)")
-group.add_argument("--lr", type=float, default=6e-4, help="peak AdamW learning rate")
-group.add_argument("--warmup", type=float, default=0.04,
+group.add_argument("--lr", type=number(float, 0, above=True), default=6e-4,
+                   help="peak AdamW learning rate")
+group.add_argument("--warmup", type=number(float, 0, hi=1), default=0.04,
                    help="linear warmup, as a fraction of all steps; then cosine to 0")
-group.add_argument("--epochs", type=int, default=6,
+group.add_argument("--epochs", type=number(int, 1), default=6,
                    help="passes over the training set (ignored with --max-steps)")
-group.add_argument("--max-steps", type=int, default=None,
+group.add_argument("--max-steps", type=number(int, 1), default=None,
                    help="optimizer steps (default: epochs * steps per epoch)")
-group.add_argument("--grad-clip", type=float, default=1.0, help="global gradient-norm clip")
-group.add_argument("--seed", type=int, default=0, help="data order and anchor sampling seed")
+group.add_argument("--grad-clip", type=number(float, 0, above=True), default=1.0,
+                   help="global gradient-norm clip")
+group.add_argument("--seed", type=number(int, 0), default=0,
+                   help="data order and anchor sampling seed")
 group = parser.add_argument_group("logging, eval and checkpoints")
 group.add_argument("--out", default="out",
                    help="output dir: log.jsonl, ckpt.pt, drafter/ (z-lab export)")
-group.add_argument("--log-interval", type=int, default=10, help="steps between log lines")
-group.add_argument("--eval-interval", type=int, default=100,
+group.add_argument("--log-interval", type=number(int, 1), default=10,
+                   help="steps between log lines")
+group.add_argument("--eval-interval", type=number(int, 1), default=100,
                    help="steps between held-out evaluations (and at the end)")
-group.add_argument("--save-interval", type=int, default=500,
+group.add_argument("--save-interval", type=number(int, 1), default=500,
                    help="steps between checkpoints (and at the end)")
-group.add_argument("--resume", action="store_true", help="continue from OUT/ckpt.pt")
+group.add_argument("--resume", action="store_true", help="continue from OUT/ckpt.pt, exactly: "
+                   "flags that change the model or the data order must match the checkpoint's")
+group.add_argument("--overwrite", action="store_true", help="start over in an --out that holds a "
+                   "run: delete its checkpoint, export and log first")
 group.add_argument("--wandb", default=None, metavar="PROJECT", help="also send the train, eval "
                    "and generate records to this Weights & Biases project (pip install wandb; "
                    "WANDB_MODE=offline logs without a network)")
@@ -100,8 +114,9 @@ group.add_argument("--split-layer", default=None, help="a pair runs the target's
                    "to the last tapped one) on its drafter GPU, from the hidden state after layer "
                    "K-1: K, 0 (nothing moved) or auto (K from the layer and drafter-step times "
                    "measured on the first rows at start); default: auto on a multi-GPU job, else 0")
-group.add_argument("--timeout", type=float, default=900, help="seconds a rank waits for a peer "
-                   "before failing (covers the first compile)")
+group.add_argument("--timeout", type=number(float, 0, above=True), default=900,
+                   help="seconds a rank waits for a peer before failing (covers the first "
+                   "compile)")
 args = parser.parse_args()
 if args.wandb:
     try:
@@ -147,7 +162,8 @@ import torch.distributed as dist
 from target import Target, TargetConfig, choose_split, upload
 from model import Drafter, DrafterConfig, sample_anchors, block_lists
 from model import flex_backward_kernels, flex_kernel_options, flex_matches_dense
-from data import open_dataset, Packer, make_demo
+from data import DataError, open_dataset, Packer, make_demo
+from safetensors import SafetensorError
 
 # -----------------------------------------------------------------------------
 # ranks: per node the first half of the local ranks run targets, the second half drafters
@@ -189,20 +205,63 @@ def sync():
         torch.cuda.current_stream(device).synchronize()
 
 # -----------------------------------------------------------------------------
+# the output dir: one run at a time, and no finished run replaced by accident (the log rank
+# writes it, and holds OUT/lock for the run's life: the OS drops the lock when the process dies)
+
+ckpt_path = os.path.join(args.out, "ckpt.pt")
+if rank == log_rank:
+    try:
+        os.makedirs(args.out, exist_ok=True)
+        lock = open(os.path.join(args.out, "lock"), "a+")
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        sys.exit(f"error: --out {args.out} is in use: pid {lock.read().strip() or '?'} holds "
+                 f"{lock.name}; wait for that run to end, or pick another --out")
+    except OSError as e:
+        # a file system without locks (Lustre mounted without -o flock): go on, unguarded
+        if e.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP):
+            sys.exit(f"error: --out {args.out}: {e}")
+        print0(f"warning: --out {args.out}: no file locks here ({e.strerror}); nothing keeps a "
+               "second run out of it")
+    lock.truncate(0), lock.write(f"{os.getpid()}\n"), lock.flush()
+    if args.resume and args.overwrite:
+        sys.exit("error: --resume continues the run in --out, --overwrite deletes it: pick one")
+    if args.overwrite:
+        for p in (ckpt_path, os.path.join(args.out, "log.jsonl")):
+            if os.path.exists(p):
+                os.remove(p)
+        shutil.rmtree(os.path.join(args.out, "drafter"), ignore_errors=True)
+    elif not args.resume and os.path.exists(ckpt_path):
+        sys.exit(f"error: --out {args.out} holds a run ({ckpt_path}); continue it with --resume, "
+                 "start over with --overwrite, or pick another --out")
+    # what a stopped run was writing (ours: .tmp-PID; safetensors' own: .tmpXXXXXX): no live run
+    # writes them, we hold the lock
+    here = glob.escape(args.out)
+    stale = [p for pattern in ("ckpt.pt.tmp-*", os.path.join("drafter", ".tmp*"))
+             for p in glob.glob(os.path.join(here, pattern))]
+    for p in stale:
+        os.remove(p)
+    if stale:
+        print0(f"removed {len(stale)} file(s) a stopped run left half-written: {' '.join(stale)}")
+
+# -----------------------------------------------------------------------------
 # data: the demo dataset is made on first use (the tiny target's greedy continuations)
 
-os.makedirs(args.out, exist_ok=True)
 data_dir = args.data or os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "demo")
-if args.data is None and not os.path.exists(os.path.join(data_dir, "train", "meta.json")):
-    if local_rank == 0:
-        print(f"building the demo dataset in {data_dir} (tiny target's greedy continuations)",
-              flush=True)
-        make_demo(data_dir)
-    if world > 1:
-        dist.barrier()
-train_ds = open_dataset(data_dir)
-val_dir = os.path.join(data_dir, "val")
-val_ds = open_dataset(val_dir) if os.path.exists(os.path.join(val_dir, "meta.json")) else None
+try:
+    if args.data is None and not os.path.exists(os.path.join(data_dir, "train", "meta.json")):
+        if local_rank == 0:
+            print(f"building the demo dataset in {data_dir} (tiny target's greedy continuations)",
+                  flush=True)
+            make_demo(data_dir)
+        if world > 1:
+            dist.barrier()
+    train_ds = open_dataset(data_dir)
+    val_dir = os.path.join(data_dir, "val")
+    val_ds = open_dataset(val_dir) if os.path.exists(val_dir) else None
+except DataError as e:           # a missing meta.json, a truncated tokens.bin: named, with the fix
+    sys.exit(f"error: --data {data_dir}: {e}")
 packer = Packer(train_ds, args.budget, n_shards=n_pairs, shard=pair, seed=args.seed)
 steps_per_epoch = packer.steps_per_epoch
 max_steps = args.max_steps or packer.total_steps(args.epochs)
@@ -217,6 +276,13 @@ demand = np.array([int(sample_anchors(torch.from_numpy(row.loss_mask), torch.fro
 row_anchors = args.row_anchors or int(-(-np.percentile(demand, 90) // 8) * 8)
 most_anchors = min(budget - 1, 4 * budget // block_size)
 row_anchors = max(8, min(row_anchors, most_anchors))
+# supervised tokens per epoch, and those past --budget in their sample (lost to truncation)
+supervised, lost = train_ds.n_supervised, packer.truncated_supervised()
+nothing = ("its loss mask is all zero; check the loss_mask of its input lines" if supervised == 0
+           else f"all its supervised tokens lie past --budget {budget} in their samples "
+           f"(truncated); raise --budget (longest sample: {train_ds.lengths.max()} tokens)"
+           if lost == supervised else "no supervised token whose next token is supervised too "
+           f"(an anchor) in its first {len(demand)} rows; check its loss_mask")
 
 try:
     import triton
@@ -243,9 +309,13 @@ taps = dcfg.target_layer_ids
 n_feat = len(taps)
 tdtype = torch.bfloat16 if cuda else torch.float32
 start_checks = [
-    (train_ds.vocab_size <= tcfg.vocab_size, f"--data {data_dir}: token ids reach "
-     f"{train_ds.vocab_size - 1}, past the target's vocab ({tcfg.vocab_size}); prepare the data "
-     "with the target's tokenizer"),
+    (demand.any(), f"--data {data_dir}: nothing to learn: {nothing}"),
+    (train_ds.vocab_size <= tcfg.vocab_size, f"--data {data_dir} was prepared for a vocab of "
+     f"{train_ds.vocab_size} (largest token id {train_ds.meta.get('max_id', '?')}), past the "
+     f"target's {tcfg.vocab_size}; prepare the data with the target's tokenizer"),
+    (len(set(taps)) == len(taps), f"--n-feat {n_feat}: the target's {tcfg.num_hidden_layers} "
+     f"layers give taps {taps}, with repeats; use --n-feat {max(1, tcfg.num_hidden_layers - 3)} "
+     "or fewer"),
     (0 <= dcfg.mask_token_id < tcfg.vocab_size, f"--mask-token-id {dcfg.mask_token_id} is not a "
      f"row of the target's embedding (vocab {tcfg.vocab_size})"),
     (not args.generate_prompts or val_ds is not None, "--generate-prompts needs held-out prompts, "
@@ -254,7 +324,6 @@ start_checks = [
      f"({2 * block_size} tokens)"),
     (args.row_anchors <= most_anchors, f"--row-anchors {args.row_anchors} is too many for "
      f"--budget {budget}: at most {most_anchors}"),
-    (per_doc > 0, f"--anchors {per_doc} must be at least 1"),
 ]
 for ok, msg in start_checks:
     if not ok:
@@ -459,19 +528,56 @@ def agree_split(mine):
 # -----------------------------------------------------------------------------
 # resume: the drafter ranks read the checkpoint; every rank learns the step from the log rank
 
-start_step, ckpt_path = 0, os.path.join(args.out, "ckpt.pt")
+# What defines the run, saved with every checkpoint: a different value would train another drafter
+# or other rows (the data is dealt to pairs row by row), so --resume refuses it. Anything else may
+# change and is reported (a new --max-steps: the lr schedule of the new length, from here on).
+identity = ("n_samples", "n_tokens", "n_supervised", "vocab_size")
+run = {"pairs": n_pairs, "--data": {k: train_ds.meta.get(k) for k in identity},
+       "--seed": args.seed, "--budget": budget, "--anchors": per_doc, "--row-anchors": row_anchors,
+       "--block-size": block_size, "--gamma": args.gamma,
+       "--drafter-layers": dcfg.num_hidden_layers, "--n-feat": n_feat,
+       "--sliding-window": max(dcfg.windows().values()), "--mask-token-id": dcfg.mask_token_id,
+       "drafter config": vars(dcfg), "target config": vars(tcfg)}
+start_step, changed = 0, {}
+unreadable = ("is not a readable checkpoint of this run; delete it to start over, or point --out "
+              "at the right run")
 if args.resume and runs_drafter:
     if not os.path.exists(ckpt_path):
         sys.exit(f"error: --resume but {ckpt_path} does not exist")
     try:
         ckpt = torch.load(ckpt_path, map_location=device, weights_only=False)
+        was, start_step = ckpt["run"], ckpt["step"]
+    except Exception as e:
+        sys.exit(f"error: {ckpt_path} {unreadable} ({type(e).__name__}: {e})")
+    for key, now in run.items():
+        then = was.get(key)
+        if now == then:
+            continue
+        if key == "pairs":
+            why = (f"{now} pair(s) ({world} processes) differ from the checkpoint's {then}: rows "
+                   f"are dealt to pairs; resume on {2 * then} processes ({then} pair(s))")
+        elif isinstance(now, dict):       # name the fields
+            then = then or {}
+            fields = ", ".join(f"{k} {v} (checkpoint: {then.get(k)})" for k, v in now.items()
+                               if v != then.get(k))
+            why = (f"the {key} differs from the checkpoint's: {fields}; resume with the flags of "
+                   f"its start record in {args.out}/log.jsonl")
+        else:
+            why = f"{key} {now} differs from the checkpoint's {then}; resume with {key} {then}"
+        sys.exit(f"error: --resume: {why}, or start a new --out")
+    if max_steps < start_step:
+        sys.exit(f"error: --resume: the checkpoint is at step {start_step}, past this run's "
+                 f"{max_steps} steps; raise --max-steps (or --epochs), or start a new --out")
+    try:
         drafter.load_state_dict(ckpt["drafter"])
         opt.load_state_dict(ckpt["optimizer"])
-        start_step = ckpt["step"]
     except Exception as e:
-        sys.exit(f"error: {ckpt_path} is not a readable checkpoint of this run "
-                 f"({type(e).__name__}: {e}); delete it to start over, or point --out at the right "
-                 "run")
+        sys.exit(f"error: {ckpt_path} {unreadable} ({type(e).__name__}: {e})")
+    now_args = vars(args)
+    changed = {f"--{k.replace('_', '-')}": [v, now_args.get(k)] for k, v in ckpt["args"].items()
+               if k not in ("resume", "overwrite") and v != now_args.get(k)}
+    if ckpt["processes"] != world:     # the same pairs: the same rows and anchors
+        changed["processes"] = [ckpt["processes"], world]
 if world > 1:
     step_t = torch.tensor([start_step], device=device)
     dist.broadcast(step_t, log_rank)
@@ -513,8 +619,12 @@ if runs_drafter:
            f"rope theta {dcfg.rope_theta:g}, scaling {dcfg.rope_scaling}")
     print0(f"self-check: {self_check}")
 print0(f"data: {data_dir} ({len(train_ds)} samples), {steps_per_epoch} steps/epoch of {n_pairs} x "
-       f"{budget} tokens, {max_steps} steps, truncated samples per epoch: {packer.truncated}; "
+       f"{budget} tokens, {max_steps} steps, truncated samples per epoch: {packer.truncated} "
+       f"({packer.truncated_tokens} tokens, {lost} of {supervised} supervised); "
        f"held-out rows: {len(eval_rows)}")
+if lost > 0.05 * supervised:
+    print0(f"warning: --budget {budget} truncates {lost / supervised:.1%} of the supervised tokens "
+           "away; raise --budget, or split the long samples")
 sized_by = "--row-anchors" if args.row_anchors else "the 90th percentile of"
 print0(f"anchors: up to {per_doc} per document, {row_anchors} per row ({sized_by} the first "
        f"{len(demand)} rows' demand: median {np.median(demand):.0f}, max {demand.max()}), "
@@ -663,17 +773,33 @@ if world > 1 and split:
                       for n in ([below] if below else []) + [1]]
 
 def save_checkpoint(step):
+    # the export first: a run stopped between the two leaves an export at least as new as the
+    # checkpoint, and --resume redoes both
     tmp = ckpt_path + f".tmp-{os.getpid()}"
-    torch.save(dict(drafter=drafter.state_dict(), optimizer=opt.state_dict(), step=step,
-                    args=vars(args), drafter_config=vars(dcfg),
-                    data=dict(rows_per_pair=step, seed=args.seed),
-                    rng=dict(seed=args.seed, note="anchors are drawn from (seed, step, pair)")),
-               tmp)
-    # atomic: a crash mid-write leaves the previous checkpoint intact
-    os.replace(tmp, ckpt_path)
-    drafter.save_pretrained(os.path.join(args.out, "drafter"))
-    if run:
-        run.summary["drafter"] = os.path.abspath(os.path.join(args.out, "drafter"))
+    where = os.path.join(args.out, "drafter")
+    try:
+        drafter.save_pretrained(where, step=step)
+        where = tmp
+        # through a Python file: a failed write then carries its errno (torch.save(path) says only
+        # "unexpected pos")
+        with open(tmp, "wb") as f:
+            torch.save(dict(drafter=drafter.state_dict(), optimizer=opt.state_dict(), step=step,
+                            args=vars(args), drafter_config=vars(dcfg), run=run, processes=world,
+                            data=dict(rows_per_pair=step, seed=args.seed),
+                            rng=dict(seed=args.seed,
+                                     note="anchors are drawn from (seed, step, pair)")), f)
+        # atomic: a crash mid-write leaves the previous checkpoint intact
+        os.replace(tmp, ckpt_path)
+    except (OSError, RuntimeError, SafetensorError) as e:
+        err = e.__context__ if isinstance(e, RuntimeError) else e
+        if not isinstance(err, (OSError, SafetensorError)):
+            raise
+        if os.path.exists(tmp):
+            os.remove(tmp)      # a full disk stays full otherwise
+        sys.exit(f"error: --out {args.out}: cannot write {where} (step {step}): {err}; free space "
+                 f"or fix permissions, then continue with --resume --out {args.out}")
+    if wandb_run:
+        wandb_run.summary["drafter"] = os.path.abspath(os.path.join(args.out, "drafter"))
     print0(f"step {step}: saved {ckpt_path} and {args.out}/drafter/ (z-lab format)")
 
 def reduce_drafters(t):
@@ -701,11 +827,11 @@ def unpack_metrics(packed):
     return values
 
 log_file = open(os.path.join(args.out, "log.jsonl"), "a") if rank == log_rank else None
-run = None
+wandb_run = None
 if args.wandb and rank == log_rank:
     # the config: the args and the banner's facts
     try:
-        run = wandb.init(project=args.wandb, name=args.wandb_name, config=dict(
+        wandb_run = wandb.init(project=args.wandb, name=args.wandb_name, config=dict(
             vars(args), world=world, pairs=n_pairs, devices=[i["device"] for i in infos],
             torch=torch.__version__, triton=triton_version, target_layers=tcfg.num_hidden_layers,
             taps=taps, drafter_layout=dcfg.layer_types, drafter_params=n_params,
@@ -719,10 +845,10 @@ def log(record, line):
     if log_file:
         log_file.write(json.dumps(record) + "\n")
         log_file.flush()
-    if run and record["kind"] in ("train", "eval", "generate"):
+    if wandb_run and record["kind"] in ("train", "eval", "generate"):
         # W&B: one key per number, "train/loss", "eval/slot_acc/3"
         kind = record["kind"]
-        run.log({f"{kind}/{k}" + (f"/{i}" if isinstance(v, list) else ""): x
+        wandb_run.log({f"{kind}/{k}" + (f"/{i}" if isinstance(v, list) else ""): x
                  for k, v in record.items() if k not in ("kind", "step")
                  for i, x in enumerate(v if isinstance(v, list) else [v])
                  if isinstance(x, (int, float))}, step=record["step"])
@@ -737,6 +863,15 @@ def hms(seconds):
 def events_after(step, interval):
     # evals or saves the schedule has left after `step`: every interval-th step, and the last
     return max_steps // interval - step // interval + (max_steps % interval > 0)
+
+# every start and resume: what a resumed run's later records supersede (README: Reading the log)
+line = f"start: logging to {args.out}/log.jsonl"
+if args.resume:
+    line = (f"resume: step {start_step} of {ckpt_path}; changed: "
+            + (", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items()) or "nothing"))
+truncated = dict(samples=packer.truncated, tokens=packer.truncated_tokens, supervised=lost)
+log(dict(kind="start", step=start_step, resume=args.resume, processes=world, pairs=n_pairs,
+         changed=changed, args=vars(args), truncated=truncated), line)
 
 params = list(drafter.parameters())
 train_sums = torch.zeros(sum(METRICS.values()), device=device)
@@ -856,13 +991,14 @@ for step, kind, r in schedule(start_step):
         wait_ms = sum(ms(a, b) for a, b, _ in step_marks) / n_window - local_ms
         drafter_ms = sum(ms(b, c) for _, b, c in step_marks) / n_window
         n_bad = int(m["nonfinite"])
+        flags = nonfinite_rows[:n_window].tolist()
         if n_bad:
-            flags = nonfinite_rows[:n_window].tolist()
-            rows = [[step + 1 - n_window + i, epoch, index]
+            # steps counted as in the train records (step k: the k-th update)
+            rows = [[step + 2 - n_window + i, epoch, index]
                     for i, (bad, epoch, index) in enumerate(flags) if bad]
-            log(dict(kind="nonfinite", step=step, rows=rows),
-                f"step {step}: non-finite loss or grad norm, update skipped at (step, epoch, row) "
-                f"{rows} on this rank; {n_bad} in the last {n_window} steps on all drafters")
+            log(dict(kind="nonfinite", step=step + 1, rows=rows),
+                f"step {step + 1}: non-finite loss or grad norm, update skipped at (step, epoch, "
+                f"row) {rows} on this rank; {n_bad} in the last {n_window} steps on all drafters")
             if n_bad * 2 > n_window * n_pairs:
                 sys.exit(f"error: {n_bad} of the last {n_window} steps were non-finite; stopping. "
                          "Lower --lr or check the data")
@@ -881,6 +1017,8 @@ for step, kind, r in schedule(start_step):
         # a split pair's target layers K..last, on the drafter GPU (its local_ms)
         moved_ms = stats[[r + half for r in target_ranks], 0].max().item() if split else 0.0
         rec = dict(kind="train", step=step + 1, epoch=(step + 1) / steps_per_epoch,
+                   # (epoch, row) of the data plan this pair trained, per step of the window
+                   rows=[[epoch, index] for _, epoch, index in flags],
                    loss=m["loss"].item() / rows_done,
                    accept=m["accept_sum"].item() / max(m["blocks"].item(), 1),
                    lr=lr_at(step), gnorm=m["gnorm"].item() / rows_done,
@@ -950,5 +1088,5 @@ if world > 1:
     dist.barrier()
     dist.destroy_process_group()
 log(dict(kind="end", step=max_steps), f"done: {hms(time.perf_counter() - t_launch)} in all")
-if run:
-    run.finish()
+if wandb_run:
+    wandb_run.finish()
