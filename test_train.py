@@ -609,7 +609,8 @@ class TinyThinker:
 
 def test_regenerate_prepare_train(tmp_path):
     """Prompts -> the tiny target's own thinking answers through a real HTTP server that fails 1 request
-    in 5 (regenerate, killed mid-run and resumed; reasoning returned as vLLM's `reasoning` field) ->
+    in 5 (regenerate, killed mid-run and resumed; reasoning returned as vLLM's `reasoning` field, and
+    in a second run as SGLang's `reasoning_content`: the same output) ->
     prepare with the checkpoint's Qwen3.6 template -> train.py. Every prompt is answered exactly once,
     with what the server said for it; each sample's prompt is what the engine renders and its
     supervised tokens are the answer the target generated, thinking included, plus <|im_end|>; the
@@ -641,9 +642,20 @@ def test_regenerate_prepare_train(tmp_path):
     finally:
         srv.close()
     assert r.returncode == 0, r.stdout + r.stderr
+    # the same answers when the server returns the thinking as SGLang does, in reasoning_content
+    srv = FakeOpenAI(reasoning="reasoning_content", answer=thinker)
+    try:
+        r2 = subprocess.run(cmd[:5] + ["--out", tmp_path / "again.jsonl", "--server", srv.urls[0]] + cmd[9:]
+                            + ["--limit", "8"],
+                            capture_output=True, text=True, timeout=600)
+    finally:
+        srv.close()
+    assert r2.returncode == 0, r2.stdout + r2.stderr
     print(f"regenerate: killed after {len(first)} lines, resumed: {time.time() - t0:.0f} s")
     rows = by_line(out)
     assert sorted(rows) == list(range(1, 97))                      # every prompt, exactly once
+    again = by_line(tmp_path / "again.jsonl")
+    assert sorted(again) == list(range(1, 9)) and all(again[i] == rows[i] for i in again)
     for i, row in rows.items():
         user, answer = row["messages"]
         assert (row["id"], row["source"], user["content"]) == (f"p{i - 1}", "test",
