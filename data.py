@@ -25,6 +25,7 @@ with the loss mask on exactly the tokens the target generated.
 import argparse
 import hashlib
 import importlib
+import itertools
 import json
 import os
 import shutil
@@ -605,7 +606,7 @@ def _tools(obj):
         raise _Bad("bad tools", '"tools" must be a list of JSON schema objects')
     return tools
 
-def _parse(line, bound, chat, where, turns="all"):
+def _parse(line, bound, chat, where, turns):
     """One JSONL line -> ([(ids, mask), ...], counts, notes), or _Bad(kind, detail)."""
     try:
         obj = json.loads(line)
@@ -643,33 +644,37 @@ def _parse(line, bound, chat, where, turns="all"):
             raise _Bad("no supervised token", "loss mask is all zero (no assistant turn?)")
     return samples, counts, notes
 
-# workers: each process builds its own Chat once; the parent reads the file and writes the output
+# --workers: each process renders with a Chat of its own, built once; the parent reads and writes
 _worker = {}
 
-def _init_worker(tokenizer, kwargs, bound, where, turns):
-    _worker.update(chat=Chat(tokenizer, kwargs) if tokenizer else None, bound=bound,
-                   where=where, turns=turns)
+def _init_worker(tokenizer, kwargs, *args):
+    _worker["args"] = (Chat(tokenizer, kwargs) if tokenizer else None, *args)
 
 def _work(chunk):
+    """[(lineno, line)] -> [(lineno, _parse's result, its _Bad, or None for a blank line)]"""
+    chat, bound, where, turns = _worker["args"]
     out = []
     for lineno, line in chunk:
         try:
-            out.append((lineno, _parse(line, _worker["bound"], _worker["chat"],
-                                       f"{_worker['where']}:{lineno}", _worker["turns"])))
+            out.append((lineno, _parse(line, bound, chat, f"{where}:{lineno}", turns)
+                        if line.strip() else None))
         except _Bad as e:
             out.append((lineno, e))
     return out
 
-def _processed(chunks, workers, init_args):
-    """work(chunk) for every chunk, in order; with workers > 1 in a process pool holding at most
-    2 chunks per worker in flight, so memory stays flat whatever the file size."""
+def _processed(f, workers, chat, *args):
+    """_work over the lines of f, in order: one line at a time in this process, or chunks of 64 in
+    a pool of `workers` holding at most 2 chunks per worker in flight, so memory stays flat."""
+    lines = enumerate(f, 1)
     if workers <= 1:
-        _init_worker(*init_args)
-        for chunk in chunks:
-            yield from _work(chunk)
+        _worker["args"] = (chat, *args)
+        for line in lines:
+            yield from _work([line])
         return
     import multiprocessing
-    with multiprocessing.Pool(workers, _init_worker, init_args) as pool:
+    chunks = iter(lambda: list(itertools.islice(lines, 64)), [])
+    init = (chat and chat.path, chat and chat.kwargs, *args)
+    with multiprocessing.Pool(workers, _init_worker, init) as pool:
         pending = deque()
         for chunk in chunks:
             pending.append(pool.apply_async(_work, (chunk,)))
@@ -677,19 +682,6 @@ def _processed(chunks, workers, init_args):
                 yield from pending.popleft().get()
         while pending:
             yield from pending.popleft().get()
-
-def _chunks(f, blank, size=64):
-    chunk = []
-    for lineno, line in enumerate(f, 1):
-        if not line.strip():
-            blank[0] += 1
-            continue
-        chunk.append((lineno, line))
-        if len(chunk) == size:
-            yield chunk
-            chunk = []
-    if chunk:
-        yield chunk
 
 CHAT_COUNTS = ("assistant_turns", "trained", "own_sample", "not_as_served", "not_intact", "length",
                "straddle", "thinking_tokens", "answer_tokens")
@@ -711,21 +703,23 @@ def prepare(input, out, tokenizer=None, val=None, vocab_size=None, force=False, 
         if not 0 < n_val < n_lines:
             raise DataError(f"--val {val} selects {n_val} of the {n_lines} lines of {input}; "
                             "need at least 1 and fewer than all")
-    bad, total, blank, n_tok, t0, last, writers = {}, 0, [0], 0, time.time(), time.time(), []
-    counts, noted = [Counter(), Counter()], Counter()
-    init = (tokenizer, chat_template_kwargs, bound, input, turns)
+    bad, noted, counts = Counter(), Counter(), [Counter(), Counter()]
+    total = blank = n_tok = 0
+    t0 = last = time.time()
+    writers = []
     try:
         for s in ("train", "val")[:1 + bool(n_val)]:
             writers.append(_Writer(os.path.join(out, s), vocab_size or (chat and chat.vocab_size),
                                    force))
         with open(input, "rb") as f:
-            # one line at a time in one process; chunks of 64 feed a pool
-            for lineno, res in _processed(_chunks(f, blank, 64 if workers > 1 else 1), workers,
-                                          init):
+            for lineno, res in _processed(f, workers, chat, bound, input, turns):
+                if res is None:
+                    blank += 1
+                    continue
                 total += 1
                 if isinstance(res, _Bad):
                     kind = res.args[0]
-                    bad[kind] = bad.get(kind, 0) + 1
+                    bad[kind] += 1
                     if bad[kind] <= 10:
                         log(f"{input}:{lineno}: {kind}: {res.args[1]}")
                     continue
@@ -743,11 +737,11 @@ def prepare(input, out, tokenizer=None, val=None, vocab_size=None, force=False, 
                     n_tok += len(ids)
                 if time.time() - last > 5:
                     last = time.time()
-                    log(f"prepare: {total - sum(bad.values())} lines | "
+                    log(f"prepare: {total - bad.total()} lines | "
                         f"{n_tok / 1e6:.2f}M tokens | {n_tok / (last - t0) / 1e6:.2f}M tokens/s")
-        n_bad = sum(bad.values())
-        if blank[0]:
-            log(f"ignored {blank[0]} blank lines")
+        n_bad = bad.total()
+        if blank:
+            log(f"ignored {blank} blank lines")
         if n_bad:
             log(f"skipped {n_bad} of {total} lines: "
                 + ", ".join(f"{c} {k}" for k, c in bad.items()))
