@@ -425,9 +425,14 @@ def _parsed_call(call, i, j):
     fn["arguments"] = {} if args is None or args == "" else args
     return call
 
+def _split_think(content):
+    """Inline thinking (the engines' convention without a reasoning parser) -> (reasoning, answer), split as the
+    Qwen3 / Qwen3.5 chat templates split it, so both forms render to the same text."""
+    reasoning = content.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
+    return reasoning, content.split("</think>")[-1].lstrip("\n")
+
 def _answer_parts(m):
-    """(reasoning, [text pieces]) a rendered assistant turn must contain. Inline thinking is the
-    <think>...</think> convention of the engines' reasoning parsers (vLLM, SGLang)."""
+    """(reasoning, [text pieces]) a rendered assistant turn must contain."""
     c = m.get("content")
     pieces = [c] if isinstance(c, str) else [p["text"] for p in c or () if isinstance(p, dict)
                                             and isinstance(p.get("text"), str)]
@@ -436,7 +441,7 @@ def _answer_parts(m):
         r = ""
         for k, p in enumerate(pieces):
             if "</think>" in p:
-                r, pieces[k] = p.split("</think>")[0].split("<think>")[-1], p.split("</think>")[-1]
+                r, pieces[k] = _split_think(p)
     return r.strip(), [p.strip() for p in pieces if p.strip()]
 
 class Chat:
@@ -547,10 +552,11 @@ class Chat:
         if turns == "last":
             idx = idx[-1:]
         n, notes = Counter(assistant_turns=len(idx)), []
-        texts, spans = [self.render(msgs[:idx[-1] + 1], tools)], [[]]
+        last = self.render(msgs[:idx[-1] + 1], tools)
+        spans = {last: []}  # sample text -> [(answer start, its text's end, message index)]
         for i in reversed(idx):
             prompt = self.render(msgs[:i], tools, True)
-            turn = texts[0] if i == idx[-1] else self.render(msgs[:i + 1], tools)
+            turn = last if i == idx[-1] else self.render(msgs[:i + 1], tools)
             if not turn.startswith(prompt):
                 n["not_as_served"] += 1
                 k = len(os.path.commonprefix([prompt, turn]))
@@ -558,20 +564,15 @@ class Chat:
                               f"{prompt[k:k + 20]!r} where the turn has {turn[k:k + 20]!r} (e.g. "
                               "reasoning with thinking off: check --chat-template-kwargs)"))
                 continue
-            k = next((k for k, t in enumerate(texts) if t.startswith(turn)), None)
-            if k is None:
-                texts.append(turn)
-                spans.append([])
-                k = len(texts) - 1
+            text = next((t for t in spans if t.startswith(turn)), None)
+            if text is None:
+                text, spans[turn] = turn, []
                 n["own_sample"] += 1
-            spans[k].append((len(prompt), len(turn), i))
-        if not any(spans):
+            spans[text].append((len(prompt), len(turn), i))
+        if not any(spans.values()):
             raise _Bad("not as served", notes[0][1])
-        out = []
-        for text, sp in reversed(list(zip(texts, spans))):  # conversation order
-            if sp:
-                out.append(self._mask(text, sp, msgs, n, notes))
-        return out, n, notes
+        out = [self._mask(text, sp, msgs, n, notes) for text, sp in reversed(spans.items()) if sp]
+        return out, n, notes  # in conversation order
 
     def _mask(self, text, spans, msgs, n, notes):
         ids, a, b = self.encode(text)
@@ -590,11 +591,10 @@ class Chat:
                 n["not_intact"] += 1
                 notes.append(("not intact", f"turn {i}: {lost[0][:40]!r} is not in the "
                               "supervised text"))
-            think = np.zeros(len(ids), bool)
-            if r and (p := answer.find(r)) >= 0:
-                think = inside & (a >= s + p) & (a < s + p + len(r))
-            n["thinking_tokens"] += int(think.sum())
-            n["answer_tokens"] += int((inside & ~think).sum())
+            p = answer.find(r) if r else -1
+            think = int((inside & (a >= s + p) & (a < s + p + len(r))).sum()) if p >= 0 else 0
+            n["thinking_tokens"] += think
+            n["answer_tokens"] += int(inside.sum()) - think
             n["length"] += m.get("finish_reason") == "length"
             n["trained"] += 1
         return ids, mask.astype(np.uint8)
@@ -896,12 +896,6 @@ def _server_url(s):  # --server: host:port, http://host:port or http://host:port
     s = s.rstrip("/")
     s = s if "://" in s else "http://" + s
     return s if s.endswith("/v1") else s + "/v1"
-
-def _split_think(content):
-    """Inline thinking (a server with no reasoning parser) -> (reasoning, answer), split as the
-    Qwen3 / Qwen3.5 chat templates split it, so both forms render to the same text."""
-    reasoning = content.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
-    return reasoning, content.split("</think>")[-1].lstrip("\n")
 
 def _wire(m):
     """A message as sent back in a later request: the target's reasoning under both names
