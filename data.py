@@ -780,9 +780,7 @@ def prepare(input, out, tokenizer=None, val=None, vocab_size=None, force=False, 
         log(f"chat: {c['trained']} of {c['assistant_turns']} assistant turns trained "
             f"({c['own_sample']} in a sample of their own, rendered as served), "
             f"{c['not_as_served']} not as served (skipped), {c['not_intact']} not intact, "
-            f"{c['length']} cut by max tokens (finish_reason length), {c['straddle']} tokens "
-            f"straddling a prompt's end (unsupervised) | template {chat.source} "
-            f"(sha256 {chat.sha256[:12]}), kwargs {json.dumps(chat.kwargs)}")
+            f"{c['straddle']} tokens straddling a prompt's end (unsupervised)")
     stats(os.path.join(out, "train"), log=log, show=None)
     return metas
 
@@ -799,22 +797,22 @@ def stats(path, budget=8192, tokenizer=None, show=0, log=print):
     """Counts, length percentiles, what --budget cuts, thinking vs answer tokens; then sample `show`
     printed back as text with the supervised spans between « and » (None: no sample)."""
     ds = open_dataset(path)
-    L, sup = ds.lengths, int(ds.meta["n_supervised"])
-    n_tok = int(L.sum())
+    L, sup, n_tok = ds.lengths, ds.n_supervised, int(ds.meta["n_tokens"])
     log(f"{ds.path}: {len(ds)} samples, {n_tok} tokens, {sup} supervised ({sup / n_tok:.1%})")
     srt = np.sort(L)  # (np.percentile would do, but its import alone costs 2 MB of RSS)
     p50, p90, p99 = (int(srt[int(q * (len(srt) - 1))]) for q in (0.5, 0.9, 0.99))
     log(f"tokens per sample: p50 {p50}, p90 {p90}, p99 {p99}, max {srt[-1]}")
-    long = np.flatnonzero(L > budget)
-    cut = sum(int(ds.loss_mask[ds.offsets[i] + budget:ds.offsets[i + 1]].sum()) for i in long)
-    log(f"--budget {budget}: {len(long)} samples ({len(long) / len(ds):.1%}) are longer; the cut "
-        f"drops {cut} supervised tokens ({cut / max(sup, 1):.1%})")
+    p = Packer(ds, budget, shuffle=False)  # what train.py's --budget cuts
+    cut = p.truncated_supervised()
+    log(f"--budget {budget}: {p.truncated} samples ({p.truncated / len(ds):.1%}) are longer; the "
+        f"cut drops {cut} supervised tokens ({cut / max(sup, 1):.1%})")
     chat = ds.meta.get("chat")
     if chat:
         t, a = chat["thinking_tokens"], chat["answer_tokens"]
         log(f"supervised: {t} thinking tokens ({t / max(t + a, 1):.1%}), {a} answer tokens; "
             f"{chat['length']} of {chat['trained']} turns cut by max tokens (finish_reason "
-            f"length) | rendered with {chat['template']}, kwargs {json.dumps(chat['kwargs'])}")
+            f"length) | rendered with {chat['template']} (sha256 {chat['template_sha256'][:12]}), "
+            f"kwargs {json.dumps(chat['kwargs'])}")
     if show is None:
         return
     if not 0 <= show < len(ds):
@@ -1288,7 +1286,7 @@ def main(argv=None):
     st = sub.add_parser("stats", help="what a prepared dataset will teach: counts, lengths, "
                         "the --budget cut, thinking vs answer tokens, one sample marked")
     st.add_argument("dir", help="dataset directory (prepare's OUT, or OUT/train, OUT/val)")
-    st.add_argument("--budget", type=int, default=8192,
+    st.add_argument("--budget", type=number(int, 1), default=8192,
                     help="tokens per row you will train with (default 8192)")
     st.add_argument("--tokenizer", default=None,
                     help="checkpoint dir to decode the sample with (default: the one prepare used)")
