@@ -303,6 +303,12 @@ class Packer:
 class _Bad(Exception):
     """A skipped input line: args = (kind, detail)."""
 
+def _load(line):
+    try:
+        return json.loads(line)
+    except ValueError as e:
+        raise _Bad("malformed JSON", str(e))
+
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # ShareGPT speaker names -> OpenAI roles (FastChat's and SpecForge's readers accept these)
 SHAREGPT_ROLES = dict(human="user", user="user", gpt="assistant", assistant="assistant",
@@ -608,11 +614,7 @@ def _tools(obj):
 
 def _parse(line, bound, chat, where, turns):
     """One JSONL line -> ([(ids, mask), ...], counts, notes), or _Bad(kind, detail)."""
-    try:
-        obj = json.loads(line)
-    except ValueError as e:
-        raise _Bad("malformed JSON", str(e))
-    counts, notes = {}, []
+    obj, counts, notes = _load(line), {}, []
     if isinstance(obj, dict) and "input_ids" in obj:
         # ragged or huge values make numpy raise; strings, floats and nesting are caught just below
         try:
@@ -888,7 +890,7 @@ def make_demo(out_dir, samples=384, val_samples=32, new_tokens=48, seed=0, force
 # regenerate: the target's own answers, through the serving engine that will serve it
 
 THINK_CHECK = 8  # finished answers per server with no reasoning at all before we stop
-POOL = 16         # concurrent requests per HTTP connection pool (see regenerate's client())
+POOL = 16        # concurrent requests per HTTP connection pool (see regenerate's client())
 
 def _server_url(s):  # --server: host:port, http://host:port or http://host:port/v1
     s = s.rstrip("/")
@@ -903,22 +905,18 @@ def _wire(m):
     m = {k: v for k, v in m.items() if k not in ("finish_reason", "usage")}
     return {**m, "reasoning_content": r, "reasoning": r} if r is not None else m
 
-def _plan(obj, msgs, last):
-    """Which turns to answer: every assistant turn in order, plus a final answer when the
-    conversation ends on another role. With tool results only the final answer: the results
-    in the data answer the original calls, not the ones the target would make. -> (history
-    kept before the first answer, the messages after it, tools)"""
-    tools = obj.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise _Bad("bad tools", '"tools" must be a list of tool definitions')
+def _turns(obj, last):
+    """A prompt line -> (the history before the first answer, the messages after it: each
+    assistant one is answered again, tools); which turns: REGENERATE_DOC."""
+    msgs, tools = conversation(obj), _tools(obj)
     if last or any(m["role"] == "tool" or m.get("tool_calls") for m in msgs):
-        head, rest = (msgs[:-1] if msgs[-1]["role"] == "assistant" else msgs), []
+        i = len(msgs) - (msgs[-1]["role"] == "assistant")
     else:
         i = next((i for i, m in enumerate(msgs) if m["role"] == "assistant"), len(msgs))
-        head, rest = msgs[:i], msgs[i:]
-    if not any(m["role"] == "user" for m in head):
+    if not any(m["role"] == "user" for m in msgs[:i]):
         raise _Bad("no user turn", "the first answer to regenerate has no user message before it")
-    return head, rest, tools
+    rest = msgs[i:] + [{"role": "assistant"}] * (msgs[-1]["role"] != "assistant")
+    return msgs[:i], rest, tools
 
 def _done_lines(out, resume, log):
     """Input line numbers already in `out`; a half-written last line (a killed run) is cut off."""
@@ -953,12 +951,10 @@ def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temp
                backoff=1.0, resume=False, limit=None, turns="all", log=print):
     """Prompts JSONL -> `out`: each line with its answers replaced by the target's (see main's
     help). Returns the counts; raises DataError when lines failed (then --resume retries them)."""
-    try:
-        import openai
-        from tqdm import tqdm
-    except ImportError as e:
-        raise DataError(f"data.py regenerate needs the {e.name} package: pip install {e.name}")
+    openai = _package("openai", "data.py regenerate")
+    tqdm = _package("tqdm", "data.py regenerate").tqdm
     import asyncio
+    import httpx  # openai's own HTTP client
     import random
     import ssl
     if not os.path.isfile(input):
@@ -968,28 +964,29 @@ def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temp
     thinking = (chat_template_kwargs or {}).get("enable_thinking", True) is not False
     servers = list(dict.fromkeys(map(_server_url, servers)))
     n = dict(lines=0, answers=0, truncated=0, failed=0, bad=0, retries=0, tokens=0)
-    todo = 0
-    with open(input, "rb") as f:
-        for lineno, line in enumerate(f, 1):
-            if limit and lineno > limit:
-                break
-            todo += bool(line.strip()) and lineno not in done
+    # top_k and chat_template_kwargs are SGLang's / vLLM's extensions of the OpenAI request
+    sampling = {k: v for k, v in dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                      top_k=top_k, chat_template_kwargs=chat_template_kwargs
+                                      ).items() if v is not None}
 
-    def jobs():  # one generator shared by all workers: the event loop runs one next() at a time
+    def pending():  # (line number, line) of the input lines still to answer
         with open(input, "rb") as f:
             for lineno, line in enumerate(f, 1):
                 if limit and lineno > limit:
                     break
-                if lineno in done or not line.strip():
-                    continue
-                try:
-                    try:
-                        obj = json.loads(line)
-                    except ValueError as e:
-                        raise _Bad("malformed JSON", str(e))
-                    yield (lineno, obj, *_plan(obj, conversation(obj), turns == "last"))
-                except _Bad as e:
-                    fail(lineno, f"{e.args[0]}: {e.args[1]}", "bad")
+                if line.strip() and lineno not in done:
+                    yield lineno, line
+    todo = sum(1 for _ in pending())
+
+    def jobs():  # one generator shared by all workers: the event loop runs one next() at a time
+        for lineno, line in pending():
+            try:
+                obj = _load(line)
+                job = (lineno, obj, *_turns(obj, turns == "last"))
+            except _Bad as e:
+                fail(lineno, f"{e.args[0]}: {e.args[1]}", "bad")
+                continue
+            yield job
 
     def fail(lineno, why, kind="failed"):
         n[kind] += 1
@@ -1007,13 +1004,9 @@ def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temp
                             f"failed {n['failed'] + n['bad']}", refresh=False)
 
     async def ask(client, url, history, tools):
-        req = dict(model=model, messages=[_wire(m) for m in history], max_tokens=max_tokens,
-                   temperature=temperature)
-        # top_k and chat_template_kwargs are SGLang's / vLLM's extensions of the OpenAI request
-        for k, v in dict(top_p=top_p, top_k=top_k, tools=tools,
-                         chat_template_kwargs=chat_template_kwargs).items():
-            if v is not None:
-                req[k] = v
+        req = dict(model=model, messages=[_wire(m) for m in history], **sampling)
+        if tools is not None:
+            req["tools"] = tools
         for attempt in range(retries + 1):
             if attempt:
                 n["retries"] += 1
@@ -1064,7 +1057,7 @@ def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temp
             if reasoning:
                 verified.add(url)
             else:
-                unthinking[url] = unthinking.get(url, 0) + 1
+                unthinking[url] += 1
                 if unthinking[url] >= THINK_CHECK:
                     raise DataError(no_thinking(url))
         return ans
@@ -1087,23 +1080,19 @@ def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temp
         for lineno, obj, head, rest, tools in it:
             msgs = list(head)
             try:
-                msgs.append(await ask(client, url, msgs, tools))
-                for m in rest[1:]:  # each later assistant turn: answered with our own history
+                for m in rest:  # each answer asked with the target's own earlier answers
                     msgs.append(await ask(client, url, msgs, tools) if m["role"] == "assistant"
                                 else m)
-                if rest and rest[-1]["role"] != "assistant":
-                    msgs.append(await ask(client, url, msgs, tools))
             except _Failed as e:
                 fail(lineno, e.args[0])
-                streak[url] = streak.get(url, 0) + 1
+                streak[url] += 1
                 if streak[url] < 2 * concurrency:
                     continue
                 # every line failing: the server is down; its lines go to the others
-                if url not in down:
-                    down.add(url)
+                if streak[url] == 2 * concurrency:
                     tqdm.write(f"{url}: the last {streak[url]} lines all failed; no more "
                                "requests go there")
-                if len(down) == len(servers):
+                if all(streak[u] >= 2 * concurrency for u in servers):
                     raise DataError(f"every server fails every request (last: {e.args[0]}); "
                                     "fix them, then rerun with --resume")
                 return
@@ -1119,10 +1108,8 @@ def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temp
 
     def client(url):
         # a pool per POOL workers: httpx's pool does work linear in its connections per request
-        # (measured 1.5x the CPU per request at 256 connections in one pool); the type of
-        # openai's own default limits fits whichever httpx it is built on
-        limits = type(openai.DEFAULT_CONNECTION_LIMITS)(max_connections=POOL,
-                                                       max_keepalive_connections=POOL)
+        # (measured 1.5x the CPU per request at 256 connections in one pool)
+        limits = httpx.Limits(max_connections=POOL, max_keepalive_connections=POOL)
         key = os.environ.get("OPENAI_API_KEY", "none")  # for a server started with --api-key
         return openai.AsyncOpenAI(base_url=url, api_key=key, timeout=timeout, max_retries=0,
                                   http_client=openai.DefaultAsyncHttpxClient(limits=limits,
@@ -1160,8 +1147,8 @@ def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temp
         asyncio.run(check(url))
     if done:
         log(f"resuming: {len(done)} lines already in {out}, {todo} to go")
-    verified, unthinking = set(servers) if not thinking else set(), {}
-    streak, down = {}, set()  # lines failed in a row, per server; servers given up on
+    verified, unthinking = set(servers) if not thinking else set(), Counter()
+    streak = Counter()  # lines failed in a row, per server
     held = {url: [] for url in servers}
     it = jobs()
     with open(out, "a", encoding="utf-8") as outf, \
