@@ -432,8 +432,8 @@ def _parsed_call(call, i, j):
     return call
 
 def _split_think(content):
-    """Inline thinking (the engines' convention without a reasoning parser) -> (reasoning, answer), split as the
-    Qwen3 / Qwen3.5 chat templates split it, so both forms render to the same text."""
+    """Inline thinking (what the engines return without a reasoning parser) -> (reasoning,
+    answer), split as the Qwen3 / Qwen3.5 chat templates split it: both forms render alike."""
     reasoning = content.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
     return reasoning, content.split("</think>")[-1].lstrip("\n")
 
@@ -1069,13 +1069,6 @@ def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temp
                 "--chat-template-kwargs '{\"enable_thinking\": false}' if you serve without "
                 f"thinking; nothing from {url} was written")
 
-    def emit(url, line):
-        held[url].append(line)
-        if url in verified:  # lines wait until their server has shown its reasoning
-            outf.writelines(held[url])
-            outf.flush()
-            held[url].clear()
-
     async def worker(client, url):
         for lineno, obj, head, rest, tools in it:
             msgs = list(head)
@@ -1099,8 +1092,12 @@ def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temp
             streak[url] = 0
             keep = {k: v for k, v in obj.items()
                     if k not in ("input_line", "messages", "conversations", "prompt")}
-            emit(url, json.dumps({"input_line": lineno, **keep, "messages": msgs},
-                                 ensure_ascii=False) + "\n")
+            held[url].append(json.dumps({"input_line": lineno, **keep, "messages": msgs},
+                                        ensure_ascii=False) + "\n")
+            if url in verified:  # lines wait until their server has shown its reasoning
+                outf.writelines(held[url])
+                outf.flush()
+                held[url].clear()
             n["lines"] += 1
             tick()
 
