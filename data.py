@@ -1242,7 +1242,7 @@ def main(argv=None):
                    help="assistant turns to train: all (default; each in the context serving gave "
                    "it, turns the template renders the same later share one sample, a turn it "
                    "re-renders gets its own) or last (the final turn only)")
-    p.add_argument("--workers", type=int, default=1,
+    p.add_argument("--workers", type=number(int, 1), default=1,
                    help="processes rendering and tokenizing (the parent reads and writes, in "
                    "order); default 1")
     p.add_argument("--val", type=_val_arg, default=None,
@@ -1287,9 +1287,9 @@ def main(argv=None):
                    help="http://host:port[/v1] of an SGLang/vLLM server; repeat for several "
                    "(one started with --api-key: set OPENAI_API_KEY)")
     r.add_argument("--model", required=True, help="the model name the servers serve")
-    r.add_argument("--concurrency", type=int, default=64, help="requests in flight per server "
-                   "(default 64, SpecForge's; the engine batches them)")
-    r.add_argument("--max-tokens", type=int, default=4096,
+    r.add_argument("--concurrency", type=number(int, 1), default=64, help="requests in flight "
+                   "per server (default 64, SpecForge's; the engine batches them)")
+    r.add_argument("--max-tokens", type=number(int, 1), default=4096,
                    help="max generated tokens per answer, thinking included (default 4096)")
     r.add_argument("--temperature", type=float, default=0.7, help="default 0.7")
     r.add_argument("--top-p", type=float, default=None, help="default: not sent (server's)")
@@ -1300,15 +1300,15 @@ def main(argv=None):
     r.add_argument("--turns", choices=("all", "last"), default="all",
                    help="all: answer every assistant turn in order (default); last: only the "
                    "final answer")
-    r.add_argument("--timeout", type=float, default=3600,
+    r.add_argument("--timeout", type=number(float, 0, above=True), default=3600,
                    help="seconds one request may take (default 3600)")
-    r.add_argument("--retries", type=int, default=5, help="retries of a failed request: HTTP "
-                   "5xx/408/429, timeout, no connection, bad reply (default 5)")
-    r.add_argument("--backoff", type=float, default=1.0, help="seconds before the first retry, "
-                   "doubling each time, +-50%% jitter (default 1)")
+    r.add_argument("--retries", type=number(int, 0), default=5, help="retries of a failed "
+                   "request: HTTP 5xx/408/429, timeout, no connection, bad reply (default 5)")
+    r.add_argument("--backoff", type=number(float, 0), default=1.0, help="seconds before the "
+                   "first retry, doubling each time, +-50%% jitter (default 1)")
     r.add_argument("--resume", action="store_true", help="continue OUT: skip the lines it "
                    "holds, ask again for the rest (failed ones included)")
-    r.add_argument("--limit", type=int, default=None,
+    r.add_argument("--limit", type=number(int, 1), default=None,
                    help="only the first N lines of --input (default all)")
     args = ap.parse_args(argv)
     try:
