@@ -25,6 +25,7 @@ with the loss mask on exactly the tokens the target generated.
 import argparse
 import hashlib
 import importlib
+import itertools
 import json
 import os
 import shutil
@@ -302,6 +303,12 @@ class Packer:
 class _Bad(Exception):
     """A skipped input line: args = (kind, detail)."""
 
+def _load(line):
+    try:
+        return json.loads(line)
+    except ValueError as e:
+        raise _Bad("malformed JSON", str(e))
+
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # ShareGPT speaker names -> OpenAI roles (FastChat's and SpecForge's readers accept these)
 SHAREGPT_ROLES = dict(human="user", user="user", gpt="assistant", assistant="assistant",
@@ -424,9 +431,14 @@ def _parsed_call(call, i, j):
     fn["arguments"] = {} if args is None or args == "" else args
     return call
 
+def _split_think(content):
+    """Inline thinking (what the engines return without a reasoning parser) -> (reasoning,
+    answer), split as the Qwen3 / Qwen3.5 chat templates split it: both forms render alike."""
+    reasoning = content.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
+    return reasoning, content.split("</think>")[-1].lstrip("\n")
+
 def _answer_parts(m):
-    """(reasoning, [text pieces]) a rendered assistant turn must contain. Inline thinking is the
-    <think>...</think> convention of the engines' reasoning parsers (vLLM, SGLang)."""
+    """(reasoning, [text pieces]) a rendered assistant turn must contain."""
     c = m.get("content")
     pieces = [c] if isinstance(c, str) else [p["text"] for p in c or () if isinstance(p, dict)
                                             and isinstance(p.get("text"), str)]
@@ -435,7 +447,7 @@ def _answer_parts(m):
         r = ""
         for k, p in enumerate(pieces):
             if "</think>" in p:
-                r, pieces[k] = p.split("</think>")[0].split("<think>")[-1], p.split("</think>")[-1]
+                r, pieces[k] = _split_think(p)
     return r.strip(), [p.strip() for p in pieces if p.strip()]
 
 class Chat:
@@ -546,10 +558,11 @@ class Chat:
         if turns == "last":
             idx = idx[-1:]
         n, notes = Counter(assistant_turns=len(idx)), []
-        texts, spans = [self.render(msgs[:idx[-1] + 1], tools)], [[]]
+        last = self.render(msgs[:idx[-1] + 1], tools)
+        spans = {last: []}  # sample text -> [(answer start, its text's end, message index)]
         for i in reversed(idx):
             prompt = self.render(msgs[:i], tools, True)
-            turn = texts[0] if i == idx[-1] else self.render(msgs[:i + 1], tools)
+            turn = last if i == idx[-1] else self.render(msgs[:i + 1], tools)
             if not turn.startswith(prompt):
                 n["not_as_served"] += 1
                 k = len(os.path.commonprefix([prompt, turn]))
@@ -557,20 +570,15 @@ class Chat:
                               f"{prompt[k:k + 20]!r} where the turn has {turn[k:k + 20]!r} (e.g. "
                               "reasoning with thinking off: check --chat-template-kwargs)"))
                 continue
-            k = next((k for k, t in enumerate(texts) if t.startswith(turn)), None)
-            if k is None:
-                texts.append(turn)
-                spans.append([])
-                k = len(texts) - 1
+            text = next((t for t in spans if t.startswith(turn)), None)
+            if text is None:
+                text, spans[turn] = turn, []
                 n["own_sample"] += 1
-            spans[k].append((len(prompt), len(turn), i))
-        if not any(spans):
+            spans[text].append((len(prompt), len(turn), i))
+        if not any(spans.values()):
             raise _Bad("not as served", notes[0][1])
-        out = []
-        for text, sp in reversed(list(zip(texts, spans))):  # conversation order
-            if sp:
-                out.append(self._mask(text, sp, msgs, n, notes))
-        return out, n, notes
+        out = [self._mask(text, sp, msgs, n, notes) for text, sp in reversed(spans.items()) if sp]
+        return out, n, notes  # in conversation order
 
     def _mask(self, text, spans, msgs, n, notes):
         ids, a, b = self.encode(text)
@@ -589,11 +597,10 @@ class Chat:
                 n["not_intact"] += 1
                 notes.append(("not intact", f"turn {i}: {lost[0][:40]!r} is not in the "
                               "supervised text"))
-            think = np.zeros(len(ids), bool)
-            if r and (p := answer.find(r)) >= 0:
-                think = inside & (a >= s + p) & (a < s + p + len(r))
-            n["thinking_tokens"] += int(think.sum())
-            n["answer_tokens"] += int((inside & ~think).sum())
+            p = answer.find(r) if r else -1
+            think = int((inside & (a >= s + p) & (a < s + p + len(r))).sum()) if p >= 0 else 0
+            n["thinking_tokens"] += think
+            n["answer_tokens"] += int(inside.sum()) - think
             n["length"] += m.get("finish_reason") == "length"
             n["trained"] += 1
         return ids, mask.astype(np.uint8)
@@ -605,13 +612,9 @@ def _tools(obj):
         raise _Bad("bad tools", '"tools" must be a list of JSON schema objects')
     return tools
 
-def _parse(line, bound, chat, where, turns="all"):
+def _parse(line, bound, chat, where, turns):
     """One JSONL line -> ([(ids, mask), ...], counts, notes), or _Bad(kind, detail)."""
-    try:
-        obj = json.loads(line)
-    except ValueError as e:
-        raise _Bad("malformed JSON", str(e))
-    counts, notes = {}, []
+    obj, counts, notes = _load(line), {}, []
     if isinstance(obj, dict) and "input_ids" in obj:
         # ragged or huge values make numpy raise; strings, floats and nesting are caught just below
         try:
@@ -643,33 +646,37 @@ def _parse(line, bound, chat, where, turns="all"):
             raise _Bad("no supervised token", "loss mask is all zero (no assistant turn?)")
     return samples, counts, notes
 
-# workers: each process builds its own Chat once; the parent reads the file and writes the output
+# --workers: each process renders with a Chat of its own, built once; the parent reads and writes
 _worker = {}
 
-def _init_worker(tokenizer, kwargs, bound, where, turns):
-    _worker.update(chat=Chat(tokenizer, kwargs) if tokenizer else None, bound=bound,
-                   where=where, turns=turns)
+def _init_worker(tokenizer, kwargs, *args):
+    _worker["args"] = (Chat(tokenizer, kwargs) if tokenizer else None, *args)
 
 def _work(chunk):
+    """[(lineno, line)] -> [(lineno, _parse's result, its _Bad, or None for a blank line)]"""
+    chat, bound, where, turns = _worker["args"]
     out = []
     for lineno, line in chunk:
         try:
-            out.append((lineno, _parse(line, _worker["bound"], _worker["chat"],
-                                       f"{_worker['where']}:{lineno}", _worker["turns"])))
+            out.append((lineno, _parse(line, bound, chat, f"{where}:{lineno}", turns)
+                        if line.strip() else None))
         except _Bad as e:
             out.append((lineno, e))
     return out
 
-def _processed(chunks, workers, init_args):
-    """work(chunk) for every chunk, in order; with workers > 1 in a process pool holding at most
-    2 chunks per worker in flight, so memory stays flat whatever the file size."""
+def _processed(f, workers, chat, *args):
+    """_work over the lines of f, in order: one line at a time in this process, or chunks of 64 in
+    a pool of `workers` holding at most 2 chunks per worker in flight, so memory stays flat."""
+    lines = enumerate(f, 1)
     if workers <= 1:
-        _init_worker(*init_args)
-        for chunk in chunks:
-            yield from _work(chunk)
+        _worker["args"] = (chat, *args)
+        for line in lines:
+            yield from _work([line])
         return
     import multiprocessing
-    with multiprocessing.Pool(workers, _init_worker, init_args) as pool:
+    chunks = iter(lambda: list(itertools.islice(lines, 64)), [])
+    init = (chat and chat.path, chat and chat.kwargs, *args)
+    with multiprocessing.Pool(workers, _init_worker, init) as pool:
         pending = deque()
         for chunk in chunks:
             pending.append(pool.apply_async(_work, (chunk,)))
@@ -677,19 +684,6 @@ def _processed(chunks, workers, init_args):
                 yield from pending.popleft().get()
         while pending:
             yield from pending.popleft().get()
-
-def _chunks(f, blank, size=64):
-    chunk = []
-    for lineno, line in enumerate(f, 1):
-        if not line.strip():
-            blank[0] += 1
-            continue
-        chunk.append((lineno, line))
-        if len(chunk) == size:
-            yield chunk
-            chunk = []
-    if chunk:
-        yield chunk
 
 CHAT_COUNTS = ("assistant_turns", "trained", "own_sample", "not_as_served", "not_intact", "length",
                "straddle", "thinking_tokens", "answer_tokens")
@@ -711,21 +705,23 @@ def prepare(input, out, tokenizer=None, val=None, vocab_size=None, force=False, 
         if not 0 < n_val < n_lines:
             raise DataError(f"--val {val} selects {n_val} of the {n_lines} lines of {input}; "
                             "need at least 1 and fewer than all")
-    bad, total, blank, n_tok, t0, last, writers = {}, 0, [0], 0, time.time(), time.time(), []
-    counts, noted = [Counter(), Counter()], Counter()
-    init = (tokenizer, chat_template_kwargs, bound, input, turns)
+    bad, noted, counts = Counter(), Counter(), [Counter(), Counter()]
+    total = blank = n_tok = 0
+    t0 = last = time.time()
+    writers = []
     try:
         for s in ("train", "val")[:1 + bool(n_val)]:
             writers.append(_Writer(os.path.join(out, s), vocab_size or (chat and chat.vocab_size),
                                    force))
         with open(input, "rb") as f:
-            # one line at a time in one process; chunks of 64 feed a pool
-            for lineno, res in _processed(_chunks(f, blank, 64 if workers > 1 else 1), workers,
-                                          init):
+            for lineno, res in _processed(f, workers, chat, bound, input, turns):
+                if res is None:
+                    blank += 1
+                    continue
                 total += 1
                 if isinstance(res, _Bad):
                     kind = res.args[0]
-                    bad[kind] = bad.get(kind, 0) + 1
+                    bad[kind] += 1
                     if bad[kind] <= 10:
                         log(f"{input}:{lineno}: {kind}: {res.args[1]}")
                     continue
@@ -743,11 +739,11 @@ def prepare(input, out, tokenizer=None, val=None, vocab_size=None, force=False, 
                     n_tok += len(ids)
                 if time.time() - last > 5:
                     last = time.time()
-                    log(f"prepare: {total - sum(bad.values())} lines | "
+                    log(f"prepare: {total - bad.total()} lines | "
                         f"{n_tok / 1e6:.2f}M tokens | {n_tok / (last - t0) / 1e6:.2f}M tokens/s")
-        n_bad = sum(bad.values())
-        if blank[0]:
-            log(f"ignored {blank[0]} blank lines")
+        n_bad = bad.total()
+        if blank:
+            log(f"ignored {blank} blank lines")
         if n_bad:
             log(f"skipped {n_bad} of {total} lines: "
                 + ", ".join(f"{c} {k}" for k, c in bad.items()))
@@ -786,9 +782,7 @@ def prepare(input, out, tokenizer=None, val=None, vocab_size=None, force=False, 
         log(f"chat: {c['trained']} of {c['assistant_turns']} assistant turns trained "
             f"({c['own_sample']} in a sample of their own, rendered as served), "
             f"{c['not_as_served']} not as served (skipped), {c['not_intact']} not intact, "
-            f"{c['length']} cut by max tokens (finish_reason length), {c['straddle']} tokens "
-            f"straddling a prompt's end (unsupervised) | template {chat.source} "
-            f"(sha256 {chat.sha256[:12]}), kwargs {json.dumps(chat.kwargs)}")
+            f"{c['straddle']} tokens straddling a prompt's end (unsupervised)")
     stats(os.path.join(out, "train"), log=log, show=None)
     return metas
 
@@ -805,22 +799,22 @@ def stats(path, budget=8192, tokenizer=None, show=0, log=print):
     """Counts, length percentiles, what --budget cuts, thinking vs answer tokens; then sample `show`
     printed back as text with the supervised spans between « and » (None: no sample)."""
     ds = open_dataset(path)
-    L, sup = ds.lengths, int(ds.meta["n_supervised"])
-    n_tok = int(L.sum())
+    L, sup, n_tok = ds.lengths, ds.n_supervised, int(ds.meta["n_tokens"])
     log(f"{ds.path}: {len(ds)} samples, {n_tok} tokens, {sup} supervised ({sup / n_tok:.1%})")
     srt = np.sort(L)  # (np.percentile would do, but its import alone costs 2 MB of RSS)
     p50, p90, p99 = (int(srt[int(q * (len(srt) - 1))]) for q in (0.5, 0.9, 0.99))
     log(f"tokens per sample: p50 {p50}, p90 {p90}, p99 {p99}, max {srt[-1]}")
-    long = np.flatnonzero(L > budget)
-    cut = sum(int(ds.loss_mask[ds.offsets[i] + budget:ds.offsets[i + 1]].sum()) for i in long)
-    log(f"--budget {budget}: {len(long)} samples ({len(long) / len(ds):.1%}) are longer; the cut "
-        f"drops {cut} supervised tokens ({cut / max(sup, 1):.1%})")
+    p = Packer(ds, budget, shuffle=False)  # what train.py's --budget cuts
+    cut = p.truncated_supervised()
+    log(f"--budget {budget}: {p.truncated} samples ({p.truncated / len(ds):.1%}) are longer; the "
+        f"cut drops {cut} supervised tokens ({cut / max(sup, 1):.1%})")
     chat = ds.meta.get("chat")
     if chat:
         t, a = chat["thinking_tokens"], chat["answer_tokens"]
         log(f"supervised: {t} thinking tokens ({t / max(t + a, 1):.1%}), {a} answer tokens; "
             f"{chat['length']} of {chat['trained']} turns cut by max tokens (finish_reason "
-            f"length) | rendered with {chat['template']}, kwargs {json.dumps(chat['kwargs'])}")
+            f"length) | rendered with {chat['template']} (sha256 {chat['template_sha256'][:12]}), "
+            f"kwargs {json.dumps(chat['kwargs'])}")
     if show is None:
         return
     if not 0 <= show < len(ds):
@@ -896,18 +890,12 @@ def make_demo(out_dir, samples=384, val_samples=32, new_tokens=48, seed=0, force
 # regenerate: the target's own answers, through the serving engine that will serve it
 
 THINK_CHECK = 8  # finished answers per server with no reasoning at all before we stop
-POOL = 16         # concurrent requests per HTTP connection pool (see regenerate's client())
+POOL = 16        # concurrent requests per HTTP connection pool (see regenerate's client())
 
 def _server_url(s):  # --server: host:port, http://host:port or http://host:port/v1
     s = s.rstrip("/")
     s = s if "://" in s else "http://" + s
     return s if s.endswith("/v1") else s + "/v1"
-
-def _split_think(content):
-    """Inline thinking (a server with no reasoning parser) -> (reasoning, answer), split as the
-    Qwen3 / Qwen3.5 chat templates split it, so both forms render to the same text."""
-    reasoning = content.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
-    return reasoning, content.split("</think>")[-1].lstrip("\n")
 
 def _wire(m):
     """A message as sent back in a later request: the target's reasoning under both names
@@ -917,22 +905,18 @@ def _wire(m):
     m = {k: v for k, v in m.items() if k not in ("finish_reason", "usage")}
     return {**m, "reasoning_content": r, "reasoning": r} if r is not None else m
 
-def _plan(obj, msgs, last):
-    """Which turns to answer: every assistant turn in order, plus a final answer when the
-    conversation ends on another role. With tool results only the final answer: the results
-    in the data answer the original calls, not the ones the target would make. -> (history
-    kept before the first answer, the messages after it, tools)"""
-    tools = obj.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise _Bad("bad tools", '"tools" must be a list of tool definitions')
+def _turns(obj, last):
+    """A prompt line -> (the history before the first answer, the messages after it: each
+    assistant one is answered again, tools); which turns: REGENERATE_DOC."""
+    msgs, tools = conversation(obj), _tools(obj)
     if last or any(m["role"] == "tool" or m.get("tool_calls") for m in msgs):
-        head, rest = (msgs[:-1] if msgs[-1]["role"] == "assistant" else msgs), []
+        i = len(msgs) - (msgs[-1]["role"] == "assistant")
     else:
         i = next((i for i, m in enumerate(msgs) if m["role"] == "assistant"), len(msgs))
-        head, rest = msgs[:i], msgs[i:]
-    if not any(m["role"] == "user" for m in head):
+    if not any(m["role"] == "user" for m in msgs[:i]):
         raise _Bad("no user turn", "the first answer to regenerate has no user message before it")
-    return head, rest, tools
+    rest = msgs[i:] + [{"role": "assistant"}] * (msgs[-1]["role"] != "assistant")
+    return msgs[:i], rest, tools
 
 def _done_lines(out, resume, log):
     """Input line numbers already in `out`; a half-written last line (a killed run) is cut off."""
@@ -967,12 +951,10 @@ def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temp
                backoff=1.0, resume=False, limit=None, turns="all", log=print):
     """Prompts JSONL -> `out`: each line with its answers replaced by the target's (see main's
     help). Returns the counts; raises DataError when lines failed (then --resume retries them)."""
-    try:
-        import openai
-        from tqdm import tqdm
-    except ImportError as e:
-        raise DataError(f"data.py regenerate needs the {e.name} package: pip install {e.name}")
+    openai = _package("openai", "data.py regenerate")
+    tqdm = _package("tqdm", "data.py regenerate").tqdm
     import asyncio
+    import httpx  # openai's own HTTP client
     import random
     import ssl
     if not os.path.isfile(input):
@@ -982,28 +964,29 @@ def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temp
     thinking = (chat_template_kwargs or {}).get("enable_thinking", True) is not False
     servers = list(dict.fromkeys(map(_server_url, servers)))
     n = dict(lines=0, answers=0, truncated=0, failed=0, bad=0, retries=0, tokens=0)
-    todo = 0
-    with open(input, "rb") as f:
-        for lineno, line in enumerate(f, 1):
-            if limit and lineno > limit:
-                break
-            todo += bool(line.strip()) and lineno not in done
+    # top_k and chat_template_kwargs are SGLang's / vLLM's extensions of the OpenAI request
+    sampling = {k: v for k, v in dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                      top_k=top_k, chat_template_kwargs=chat_template_kwargs
+                                      ).items() if v is not None}
 
-    def jobs():  # one generator shared by all workers: the event loop runs one next() at a time
+    def pending():  # (line number, line) of the input lines still to answer
         with open(input, "rb") as f:
             for lineno, line in enumerate(f, 1):
                 if limit and lineno > limit:
                     break
-                if lineno in done or not line.strip():
-                    continue
-                try:
-                    try:
-                        obj = json.loads(line)
-                    except ValueError as e:
-                        raise _Bad("malformed JSON", str(e))
-                    yield (lineno, obj, *_plan(obj, conversation(obj), turns == "last"))
-                except _Bad as e:
-                    fail(lineno, f"{e.args[0]}: {e.args[1]}", "bad")
+                if line.strip() and lineno not in done:
+                    yield lineno, line
+    todo = sum(1 for _ in pending())
+
+    def jobs():  # one generator shared by all workers: the event loop runs one next() at a time
+        for lineno, line in pending():
+            try:
+                obj = _load(line)
+                job = (lineno, obj, *_turns(obj, turns == "last"))
+            except _Bad as e:
+                fail(lineno, f"{e.args[0]}: {e.args[1]}", "bad")
+                continue
+            yield job
 
     def fail(lineno, why, kind="failed"):
         n[kind] += 1
@@ -1021,13 +1004,9 @@ def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temp
                             f"failed {n['failed'] + n['bad']}", refresh=False)
 
     async def ask(client, url, history, tools):
-        req = dict(model=model, messages=[_wire(m) for m in history], max_tokens=max_tokens,
-                   temperature=temperature)
-        # top_k and chat_template_kwargs are SGLang's / vLLM's extensions of the OpenAI request
-        for k, v in dict(top_p=top_p, top_k=top_k, tools=tools,
-                         chat_template_kwargs=chat_template_kwargs).items():
-            if v is not None:
-                req[k] = v
+        req = dict(model=model, messages=[_wire(m) for m in history], **sampling)
+        if tools is not None:
+            req["tools"] = tools
         for attempt in range(retries + 1):
             if attempt:
                 n["retries"] += 1
@@ -1078,7 +1057,7 @@ def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temp
             if reasoning:
                 verified.add(url)
             else:
-                unthinking[url] = unthinking.get(url, 0) + 1
+                unthinking[url] += 1
                 if unthinking[url] >= THINK_CHECK:
                     raise DataError(no_thinking(url))
         return ans
@@ -1090,42 +1069,35 @@ def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temp
                 "--chat-template-kwargs '{\"enable_thinking\": false}' if you serve without "
                 f"thinking; nothing from {url} was written")
 
-    def emit(url, line):
-        held[url].append(line)
-        if url in verified:  # lines wait until their server has shown its reasoning
-            outf.writelines(held[url])
-            outf.flush()
-            held[url].clear()
-
     async def worker(client, url):
         for lineno, obj, head, rest, tools in it:
             msgs = list(head)
             try:
-                msgs.append(await ask(client, url, msgs, tools))
-                for m in rest[1:]:  # each later assistant turn: answered with our own history
+                for m in rest:  # each answer asked with the target's own earlier answers
                     msgs.append(await ask(client, url, msgs, tools) if m["role"] == "assistant"
                                 else m)
-                if rest and rest[-1]["role"] != "assistant":
-                    msgs.append(await ask(client, url, msgs, tools))
             except _Failed as e:
                 fail(lineno, e.args[0])
-                streak[url] = streak.get(url, 0) + 1
+                streak[url] += 1
                 if streak[url] < 2 * concurrency:
                     continue
                 # every line failing: the server is down; its lines go to the others
-                if url not in down:
-                    down.add(url)
+                if streak[url] == 2 * concurrency:
                     tqdm.write(f"{url}: the last {streak[url]} lines all failed; no more "
                                "requests go there")
-                if len(down) == len(servers):
+                if all(streak[u] >= 2 * concurrency for u in servers):
                     raise DataError(f"every server fails every request (last: {e.args[0]}); "
                                     "fix them, then rerun with --resume")
                 return
             streak[url] = 0
             keep = {k: v for k, v in obj.items()
                     if k not in ("input_line", "messages", "conversations", "prompt")}
-            emit(url, json.dumps({"input_line": lineno, **keep, "messages": msgs},
-                                 ensure_ascii=False) + "\n")
+            held[url].append(json.dumps({"input_line": lineno, **keep, "messages": msgs},
+                                        ensure_ascii=False) + "\n")
+            if url in verified:  # lines wait until their server has shown its reasoning
+                outf.writelines(held[url])
+                outf.flush()
+                held[url].clear()
             n["lines"] += 1
             tick()
 
@@ -1133,10 +1105,8 @@ def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temp
 
     def client(url):
         # a pool per POOL workers: httpx's pool does work linear in its connections per request
-        # (measured 1.5x the CPU per request at 256 connections in one pool); the type of
-        # openai's own default limits fits whichever httpx it is built on
-        limits = type(openai.DEFAULT_CONNECTION_LIMITS)(max_connections=POOL,
-                                                       max_keepalive_connections=POOL)
+        # (measured 1.5x the CPU per request at 256 connections in one pool)
+        limits = httpx.Limits(max_connections=POOL, max_keepalive_connections=POOL)
         key = os.environ.get("OPENAI_API_KEY", "none")  # for a server started with --api-key
         return openai.AsyncOpenAI(base_url=url, api_key=key, timeout=timeout, max_retries=0,
                                   http_client=openai.DefaultAsyncHttpxClient(limits=limits,
@@ -1174,8 +1144,8 @@ def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temp
         asyncio.run(check(url))
     if done:
         log(f"resuming: {len(done)} lines already in {out}, {todo} to go")
-    verified, unthinking = set(servers) if not thinking else set(), {}
-    streak, down = {}, set()  # lines failed in a row, per server; servers given up on
+    verified, unthinking = set(servers) if not thinking else set(), Counter()
+    streak = Counter()  # lines failed in a row, per server
     held = {url: [] for url in servers}
     it = jobs()
     with open(out, "a", encoding="utf-8") as outf, \
@@ -1272,7 +1242,7 @@ def main(argv=None):
                    help="assistant turns to train: all (default; each in the context serving gave "
                    "it, turns the template renders the same later share one sample, a turn it "
                    "re-renders gets its own) or last (the final turn only)")
-    p.add_argument("--workers", type=int, default=1,
+    p.add_argument("--workers", type=number(int, 1), default=1,
                    help="processes rendering and tokenizing (the parent reads and writes, in "
                    "order); default 1")
     p.add_argument("--val", type=_val_arg, default=None,
@@ -1300,7 +1270,7 @@ def main(argv=None):
     st = sub.add_parser("stats", help="what a prepared dataset will teach: counts, lengths, "
                         "the --budget cut, thinking vs answer tokens, one sample marked")
     st.add_argument("dir", help="dataset directory (prepare's OUT, or OUT/train, OUT/val)")
-    st.add_argument("--budget", type=int, default=8192,
+    st.add_argument("--budget", type=number(int, 1), default=8192,
                     help="tokens per row you will train with (default 8192)")
     st.add_argument("--tokenizer", default=None,
                     help="checkpoint dir to decode the sample with (default: the one prepare used)")
@@ -1317,9 +1287,9 @@ def main(argv=None):
                    help="http://host:port[/v1] of an SGLang/vLLM server; repeat for several "
                    "(one started with --api-key: set OPENAI_API_KEY)")
     r.add_argument("--model", required=True, help="the model name the servers serve")
-    r.add_argument("--concurrency", type=int, default=64, help="requests in flight per server "
-                   "(default 64, SpecForge's; the engine batches them)")
-    r.add_argument("--max-tokens", type=int, default=4096,
+    r.add_argument("--concurrency", type=number(int, 1), default=64, help="requests in flight "
+                   "per server (default 64, SpecForge's; the engine batches them)")
+    r.add_argument("--max-tokens", type=number(int, 1), default=4096,
                    help="max generated tokens per answer, thinking included (default 4096)")
     r.add_argument("--temperature", type=float, default=0.7, help="default 0.7")
     r.add_argument("--top-p", type=float, default=None, help="default: not sent (server's)")
@@ -1330,15 +1300,15 @@ def main(argv=None):
     r.add_argument("--turns", choices=("all", "last"), default="all",
                    help="all: answer every assistant turn in order (default); last: only the "
                    "final answer")
-    r.add_argument("--timeout", type=float, default=3600,
+    r.add_argument("--timeout", type=number(float, 0, above=True), default=3600,
                    help="seconds one request may take (default 3600)")
-    r.add_argument("--retries", type=int, default=5, help="retries of a failed request: HTTP "
-                   "5xx/408/429, timeout, no connection, bad reply (default 5)")
-    r.add_argument("--backoff", type=float, default=1.0, help="seconds before the first retry, "
-                   "doubling each time, +-50%% jitter (default 1)")
+    r.add_argument("--retries", type=number(int, 0), default=5, help="retries of a failed "
+                   "request: HTTP 5xx/408/429, timeout, no connection, bad reply (default 5)")
+    r.add_argument("--backoff", type=number(float, 0), default=1.0, help="seconds before the "
+                   "first retry, doubling each time, +-50%% jitter (default 1)")
     r.add_argument("--resume", action="store_true", help="continue OUT: skip the lines it "
                    "holds, ask again for the rest (failed ones included)")
-    r.add_argument("--limit", type=int, default=None,
+    r.add_argument("--limit", type=number(int, 1), default=None,
                    help="only the first N lines of --input (default all)")
     args = ap.parse_args(argv)
     try:

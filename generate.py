@@ -30,7 +30,7 @@ import torch
 
 from target import Target, TargetConfig
 from model import Drafter, DrafterConfig
-from data import ArgParser, DataError, number
+from data import ArgParser, Chat, DataError, _Bad, _kwargs_arg, _load, number, open_dataset
 
 # -----------------------------------------------------------------------------
 # the two decodes (one prompt at a time, ids on the target's device)
@@ -160,12 +160,11 @@ def evaluate(target, drafter, prompts, max_new, eos=(), log=print):
 
 def dataset_prompts(data_dir, n, log=print):
     """The prompts (tokens before the first supervised one) of the first n samples of DATA/val."""
-    from data import open_dataset
     val = os.path.join(data_dir, "val")
     if not os.path.exists(os.path.join(val, "meta.json")):
         raise SystemExit(f"error: --data {data_dir} has no val/ split; "
                          "prepare it with `data.py prepare --val N` "
-                         "or pass --prompts chats.jsonl --tokenizer tokenizer.json")
+                         "or pass --prompts chats.jsonl --tokenizer DIR")
     ds, prompts = open_dataset(val), []
     for i in range(len(ds)):
         if len(prompts) == n:
@@ -182,25 +181,17 @@ def chat_prompts(path, tokenizer, n, kwargs=None):
     """The first n JSONL prompts (messages, ShareGPT conversations or a prompt string, as
     `data.py prepare` reads them) as the serving engine feeds them to the target: rendered by the
     checkpoint's chat template with add_generation_prompt=True and the same template kwargs, a
-    final assistant message (a reference answer) dropped (data.Chat.prompt)."""
-    from data import Chat, DataError, _Bad
-    try:
-        chat = Chat(tokenizer, kwargs, cmd="generate.py --prompts")
-    except DataError as e:
-        raise SystemExit(f"error: {e}")
-    prompts = []
+    final assistant message (a reference answer) dropped (data.Chat.prompt). Raises DataError."""
+    chat, prompts = Chat(tokenizer, kwargs, cmd="generate.py --prompts"), []
     with open(path) as f:
         for lineno, line in enumerate(f, 1):
             if len(prompts) == n:
                 break
-            if not line.strip():
-                continue
             try:
-                prompts.append(torch.from_numpy(chat.prompt(json.loads(line))))
-            except ValueError as e:
-                raise SystemExit(f"error: {path}:{lineno}: malformed JSON: {e}")
+                if line.strip():
+                    prompts.append(torch.from_numpy(chat.prompt(_load(line))))
             except _Bad as e:
-                raise SystemExit(f"error: {path}:{lineno}: {e.args[0]}: {e.args[1]}")
+                raise DataError(f"{path}:{lineno}: {e.args[0]}: {e.args[1]}")
     return prompts
 
 def hf_eos(path):
@@ -219,7 +210,6 @@ def hf_eos(path):
 # -----------------------------------------------------------------------------
 
 def main(argv=None):
-    from data import _kwargs_arg
     ap = ArgParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="tiny",
                     help="HF checkpoint dir of a Qwen3.5/3.6 model, "

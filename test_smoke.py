@@ -2826,9 +2826,9 @@ def test_chat_prompts_are_what_the_engine_renders(chat_dirs, tpl, tmp_path):
         assert p.tolist() == ids[:first].tolist()
     with open(tmp_path / "bad.jsonl", "w") as f:
         f.write('{"prompt": "hi"}\n{"messages": [{"role": "robot", "content": "x"}]}\n')
-    with pytest.raises(SystemExit, match="bad.jsonl:2: unknown role"):
+    with pytest.raises(DataError, match="bad.jsonl:2: unknown role"):
         generate.chat_prompts(tmp_path / "bad.jsonl", d, 8)
-    with pytest.raises(SystemExit, match="has no chat template"):
+    with pytest.raises(DataError, match="has no chat template"):
         generate.chat_prompts(tmp_path / "bad.jsonl", tmp_path, 8)
 
 

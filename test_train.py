@@ -579,7 +579,8 @@ class TinyThinker:
 
     def __init__(self, ckpt, prompts, think=12, answer=20):
         import data
-        self.chat, target, tok = data.Chat(ckpt), tiny_target(), data.Chat(ckpt).tok
+        self.chat, target = data.Chat(ckpt), tiny_target()
+        tok = self.chat.tok
         text = [tok.decode([i], skip_special_tokens=False) for i in range(tok.get_vocab_size())]
         banned = torch.tensor([not (t.isascii() and t.isprintable()) or t.startswith("<") for t in text])
         # the template trims reasoning and content: no whitespace at either end of a part
@@ -666,7 +667,7 @@ def test_regenerate_prepare_train(tmp_path):
                         "--out", tmp_path / "data", "--tokenizer", ckpt, "--val", "16"],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
-    chat, end = data.Chat(str(ckpt)), tok.token_to_id("<|im_end|>")
+    chat, end = thinker.chat, tok.token_to_id("<|im_end|>")
     exact = 0
     order = [json.loads(line)["input_line"] for line in open(out)]   # prepare's --val: every 6th line
     for split, lines in (("train", [i for k, i in enumerate(order) if k % 6 != 5]),
