@@ -179,8 +179,11 @@ runs_target, runs_drafter = role != "drafter", role != "target"
 # the other member of this rank's pair
 peer = rank + half if local_rank < half else rank - half
 n_pairs, pair = max(world // 2, 1), (rank // local_world) * half + local_rank % half
+# every pair's target and drafter rank, in pair order (world size 1: rank 0 plays both)
+target_ranks = [r for r in range(world) if r % local_world < half]
+drafter_ranks = [r + half for r in target_ranks] if world > 1 else [0]
 # the first drafter prints and writes the log
-log_rank = 0 if world == 1 else half
+log_rank = drafter_ranks[0]
 device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
 cuda = device.type == "cuda"
 if cuda:
@@ -189,7 +192,7 @@ if cuda:
 if world > 1:
     dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=args.timeout),
                             device_id=device if cuda else None)
-    drafter_group = dist.new_group([r for r in range(world) if r % local_world >= half])
+    drafter_group = dist.new_group(drafter_ranks)
     # log statistics travel on gloo (host memory): an NCCL collective on the world group would queue
     # on the target behind its sends of the next rows, which the drafter receives only after it
     stats_group = dist.new_group(backend="gloo") if cuda else None
@@ -482,7 +485,6 @@ def peak_gib():
 # --split-layer: a pair's target layers K..last move to its drafter GPU. Both roles measure on the
 # next rows this pair trains on, the ranks swap their numbers, and every rank picks the same K
 
-target_ranks = [r for r in range(world) if r % local_world < half]      # world size 1: [0]
 SPLIT_ROWS = 4          # rows timed after one warm-up; K is chosen for the median row
 
 def split_rows():
@@ -499,7 +501,7 @@ def agree_split(mine):
     table = torch.zeros(world, 2 * L + 1, dtype=torch.float64)
     table[rank, :len(mine)] = torch.tensor(mine, dtype=torch.float64)
     dist.all_reduce(table, group=stats_group)
-    t, d = table[target_ranks].numpy(), table[[r + half for r in target_ranks]].numpy()
+    t, d = table[target_ranks].numpy(), table[drafter_ranks].numpy()
     # besides the moved weights, the drafter GPU holds the received taps below K and hidden state
     # (at most n_feat rows of features) and the largest layer's activations
     extra = n_feat * budget * tcfg.hidden_size * tdtype.itemsize + t[:, 2 * L]
@@ -1015,7 +1017,7 @@ for step, kind, r in schedule(start_step):
         eta = (max_steps - step - 1) * step_s + evals_left * eval_s + saves_left * save_s
         target_ms = stats[target_ranks, 0].max().item()
         # a split pair's target layers K..last, on the drafter GPU (its local_ms)
-        moved_ms = stats[[r + half for r in target_ranks], 0].max().item() if split else 0.0
+        moved_ms = stats[drafter_ranks, 0].max().item() if split else 0.0
         rec = dict(kind="train", step=step + 1, epoch=(step + 1) / steps_per_epoch,
                    # (epoch, row) of the data plan this pair trained, per step of the window
                    rows=[[epoch, index] for _, epoch, index in flags],
