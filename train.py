@@ -95,10 +95,11 @@ group.add_argument("--eval-interval", type=number(int, 1), default=100,
                    help="steps between held-out evaluations (and at the end)")
 group.add_argument("--save-interval", type=number(int, 1), default=500,
                    help="steps between checkpoints (and at the end)")
-group.add_argument("--resume", action="store_true", help="continue from OUT/ckpt.pt, exactly: "
-                   "flags that change the model or the data order must match the checkpoint's")
-group.add_argument("--overwrite", action="store_true", help="start over in an --out that holds a "
-                   "run: delete its checkpoint, export and log first")
+either = group.add_mutually_exclusive_group()
+either.add_argument("--resume", action="store_true", help="continue from OUT/ckpt.pt, exactly: "
+                    "flags that change the model or the data order must match the checkpoint's")
+either.add_argument("--overwrite", action="store_true", help="start over in an --out that holds "
+                    "a run: delete its checkpoint, export and log first")
 group.add_argument("--wandb", default=None, metavar="PROJECT", help="also send the train, eval "
                    "and generate records to this Weights & Biases project (pip install wandb; "
                    "WANDB_MODE=offline logs without a network)")
@@ -228,8 +229,6 @@ if rank == log_rank:
         print0(f"warning: --out {args.out}: no file locks here ({e.strerror}); nothing keeps a "
                "second run out of it")
     lock.truncate(0), lock.write(f"{os.getpid()}\n"), lock.flush()
-    if args.resume and args.overwrite:
-        sys.exit("error: --resume continues the run in --out, --overwrite deletes it: pick one")
     if args.overwrite:
         for p in (ckpt_path, os.path.join(args.out, "log.jsonl")):
             if os.path.exists(p):
