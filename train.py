@@ -782,13 +782,11 @@ def save_checkpoint(step):
         drafter.save_pretrained(where, step=step)
         where = tmp
         # through a Python file: a failed write then carries its errno (torch.save(path) says only
-        # "unexpected pos")
+        # "unexpected pos"). No data position or RNG state: the step gives both (packer.seek,
+        # anchors drawn from (seed, step, pair))
         with open(tmp, "wb") as f:
             torch.save(dict(drafter=drafter.state_dict(), optimizer=opt.state_dict(), step=step,
-                            args=vars(args), drafter_config=vars(dcfg), run=run, processes=world,
-                            data=dict(rows_per_pair=step, seed=args.seed),
-                            rng=dict(seed=args.seed,
-                                     note="anchors are drawn from (seed, step, pair)")), f)
+                            args=vars(args), drafter_config=vars(dcfg), run=run, processes=world), f)
         # atomic: a crash mid-write leaves the previous checkpoint intact
         os.replace(tmp, ckpt_path)
     except (OSError, RuntimeError, SafetensorError) as e:
