@@ -929,7 +929,7 @@ for step, kind, r in schedule(start_step):
         prof = None
         if not fused_checked and step > start_step:
             # acc_events: torch <= 2.12 warns "Profiler clears events at the end of each cycle"
-            # even without a schedule (fixed by pytorch#180387); one cycle here, so it changes nothing
+            # even without a schedule (fixed by pytorch#180387); with one cycle it changes nothing
             prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA],
                                           acc_events=True)
             prof.__enter__()
@@ -946,13 +946,6 @@ for step, kind, r in schedule(start_step):
         opt.step()
         opt.zero_grad(set_to_none=True)
         step_marks.append((t0, t1, mark()))
-        if step == start_step:
-            sync()
-            print0(f"step {step}: first step done (drafter graph compiled) "
-                   f"{time.perf_counter() - t_start:.0f} s after start")
-            if not args.no_compile:
-                # warm: from now on a recompile is an error
-                torch._dynamo.config.error_on_recompile = True
         if prof:
             # a profiler that records CUDA activity only warns, as it stops, that it could not
             # match the host's op events to kernels ("Failed to recover relationship between all
@@ -975,6 +968,12 @@ for step, kind, r in schedule(start_step):
             sync()
             oneoff_s += time.perf_counter() - t_host
             oneoff_steps += 1
+        if step == start_step:
+            print0(f"step {step}: first step done (drafter graph compiled) "
+                   f"{time.perf_counter() - t_start:.0f} s after start")
+            if not args.no_compile:
+                # warm: from now on a recompile is an error
+                torch._dynamo.config.error_on_recompile = True
         train_sums += pack_metrics(out, wanted, nonfinite, gnorm)
         nonfinite_rows[n_window, 0] = nonfinite                     # device copies, no host sync
         nonfinite_rows[n_window, 1:] = row["where"][:2]
@@ -1034,12 +1033,10 @@ for step, kind, r in schedule(start_step):
                    ms_step=step_ms, ms_target=target_ms, ms_wait=wait_ms, ms_drafter=drafter_ms,
                    split_layer=split, ms_target_on_drafter=moved_ms,
                    # per GPU (world 1: one GPU)
-                   busy_target=target_ms / step_ms,
-                   busy_drafter=(drafter_ms + moved_ms) / step_ms,
-                   mem_gib=stats[:, 1].tolist(),
-                   # compiled on this rank so far
-                   graphs=torch._dynamo.utils.counters["stats"]["unique_graphs"],
-                   elapsed_s=round(elapsed, 2), eta_s=round(eta, 2))
+                   busy_target=target_ms / step_ms, busy_drafter=(drafter_ms + moved_ms) / step_ms,
+                   mem_gib=stats[:, 1].tolist(), eta_s=round(eta, 2),
+                   # compiled on this rank so far (log() adds elapsed_s)
+                   graphs=torch._dynamo.utils.counters["stats"]["unique_graphs"])
         log(rec, f"step {rec['step']}/{max_steps} | ep {rec['epoch']:.2f} | "
                  f"loss {rec['loss']:.4f} | accept {rec['accept']:.3f} | lr {rec['lr']:.2e} | "
                  f"gnorm {rec['gnorm']:.2f} | "
