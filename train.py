@@ -393,9 +393,8 @@ if runs_drafter:
     autocast = torch.autocast("cuda", torch.bfloat16) if cuda else nullcontext()
     # before any real step: this torch's compiled flex step must equal the dense step on this run's
     # layout
-    self_check = "skipped (CPU: the dense path is the only one; flex has no CPU backward)"
-    if cuda and args.no_compile:
-        self_check = "skipped (--no-compile: no compiled flex step)"
+    self_check = ("skipped (--no-compile: no compiled flex step)" if cuda else
+                  "skipped (CPU: the dense path is the only one; flex has no CPU backward)")
     if cuda and not args.no_compile:
         out_err, grad_err, seconds = flex_matches_dense(dcfg, device, flex)
         self_check = (f"compiled flex_attention == dense attention, {'+'.join(dcfg.windows())} "
@@ -642,7 +641,7 @@ if role == "target":
         runs = [target.time_layers(ids, cu, last + 1) for ids, cu in rows]
         weights = [sum(p.numel() * p.element_size() for p in layer.parameters())
                    for layer in target.layers]
-        split = agree_split([*np.median([ms for ms, _ in runs], 0), *weights,
+        split = agree_split([*np.median([t for t, _ in runs], 0), *weights,
                              max(max(act) for _, act in runs)])
         for i in range(split, last + 1 if split else 0):
             target.layers[i] = None                 # now on the drafter GPU
@@ -740,7 +739,7 @@ def draw_anchors(row):
     blocks = block_lists(dcfg, anchors, keep, row["doc"], budget) if cuda else None
     return anchors, keep, blocks, wanted
 
-if world > 1 and split:
+if split:
     # the drafter step timed on this pair's next rows (the first call compiles it): forward,
     # backward and clip as in training, but no optimizer step, grads dropped and the global RNG
     # restored, so the run trains exactly as an unsplit one
