@@ -595,9 +595,8 @@ if val_ds is not None:
 
 info = dict(rank=rank, role=role, pair=pair, caches=cache_dirs,
             device=torch.cuda.get_device_name(device) if cuda else "cpu")
-infos = [info]
+infos = [info] * world          # every rank's, on every rank
 if world > 1:
-    infos = [None] * world
     dist.all_gather_object(infos, info)
 print0(f"dflash train | torch {torch.__version__} | triton {triton_version} | "
        f"{world} process(es), {n_pairs} pair(s)")
