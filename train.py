@@ -419,7 +419,7 @@ def lr_at(step):
 def schedule(start):
     """Yields (step, kind, eval row). Every "train" and "eval" item moves one row target ->
     drafter; every "log" item is one stats exchange in which every rank takes part; "save" is the
-    drafters' alone."""
+    log rank's alone (it writes --out)."""
     for step in range(start, max_steps + 1):
         if step > start and (step % args.save_interval == 0 or step == max_steps):
             yield step, "save", None
