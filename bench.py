@@ -398,7 +398,7 @@ elif args.what == "pair":
             print("one GPU only: pair not run")
             continue
         log = os.path.join(args.out, name)
-        cmd = runs[name] + ["--out", log]
+        cmd = runs[name] + ["--out", log, "--overwrite"]      # train.py refuses a finished run
         if os.path.exists(os.path.join(log, "log.jsonl")):
             os.remove(os.path.join(log, "log.jsonl"))
         print("$ " + " ".join(cmd), flush=True)
@@ -468,7 +468,8 @@ elif args.what == "steps":
     prof = profile(activities=activities, schedule=schedule(wait=28, warmup=2, active=n, repeat=1))
     from torch.optim.optimizer import register_optimizer_step_post_hook
     hook = register_optimizer_step_post_hook(lambda *a: prof.step())
-    sys.argv = ["train.py", "--out", os.path.join(args.out, "steps"), *args.train_args]
+    sys.argv = ["train.py", "--out", os.path.join(args.out, "steps"), "--overwrite",
+                *args.train_args]
     prof.start()
     runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py"),
                    run_name="__main__")

@@ -307,9 +307,7 @@ def test_split_layer_errors(tmp_path):
                        (["--split-layer", "x"], "error: --split-layer x: 0 (no split), auto, or a layer 1..5"),
                        (["--split-layer", "3"], "error: --split-layer 3: one process runs the whole target; a "
                                                 "split needs a pair (torchrun --nproc_per_node 2 or more)")]:
-        r = run_apart(train_cmd(tmp_path, "--data", demo_data(), *flags))
-        assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1, r.stderr
-        assert r.stderr.startswith(msg), r.stderr
+        assert one_line_error(run_apart(train_cmd(tmp_path, "--data", demo_data(), *flags))).startswith(msg)
 
 
 # ==================================================================================================
@@ -815,7 +813,7 @@ def test_learns_nothing_stops_at_start(tmp_path):
 
 def test_out_in_use_and_overwrite(finished, tmp_path):
     """A second run on an --out in use is refused, naming the lock and its holder; --overwrite starts
-    over in a finished one (its old checkpoint, export and log gone first)."""
+    over in a finished one (its old checkpoint, export and log gone first), but not with --resume."""
     out = tmp_path / "busy"
     p = start(out, "--max-steps", 100000, *FAST)
     try:
@@ -828,6 +826,8 @@ def test_out_in_use_and_overwrite(finished, tmp_path):
     finally:
         p.kill()
         p.wait()
+    r = run_apart(train_cmd(finished, "--resume", "--overwrite"))      # refused before --out is touched
+    assert one_line_error(r) == "error: --overwrite: not allowed with argument --resume"
     shutil.copytree(finished, tmp_path / "again")
     train(tmp_path / "again", "--max-steps", 1, *FAST, "--overwrite")
     assert [r["kind"] for r in map(json.loads, open(tmp_path / "again" / "log.jsonl"))][0] == "start"

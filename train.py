@@ -95,10 +95,11 @@ group.add_argument("--eval-interval", type=number(int, 1), default=100,
                    help="steps between held-out evaluations (and at the end)")
 group.add_argument("--save-interval", type=number(int, 1), default=500,
                    help="steps between checkpoints (and at the end)")
-group.add_argument("--resume", action="store_true", help="continue from OUT/ckpt.pt, exactly: "
-                   "flags that change the model or the data order must match the checkpoint's")
-group.add_argument("--overwrite", action="store_true", help="start over in an --out that holds a "
-                   "run: delete its checkpoint, export and log first")
+either = group.add_mutually_exclusive_group()
+either.add_argument("--resume", action="store_true", help="continue from OUT/ckpt.pt, exactly: "
+                    "flags that change the model or the data order must match the checkpoint's")
+either.add_argument("--overwrite", action="store_true", help="start over in an --out that holds "
+                    "a run: delete its checkpoint, export and log first")
 group.add_argument("--wandb", default=None, metavar="PROJECT", help="also send the train, eval "
                    "and generate records to this Weights & Biases project (pip install wandb; "
                    "WANDB_MODE=offline logs without a network)")
@@ -179,8 +180,11 @@ runs_target, runs_drafter = role != "drafter", role != "target"
 # the other member of this rank's pair
 peer = rank + half if local_rank < half else rank - half
 n_pairs, pair = max(world // 2, 1), (rank // local_world) * half + local_rank % half
+# every pair's target and drafter rank, in pair order (world size 1: rank 0 plays both)
+target_ranks = [r for r in range(world) if r % local_world < half]
+drafter_ranks = [r + half for r in target_ranks] if world > 1 else [0]
 # the first drafter prints and writes the log
-log_rank = 0 if world == 1 else half
+log_rank = drafter_ranks[0]
 device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
 cuda = device.type == "cuda"
 if cuda:
@@ -189,7 +193,7 @@ if cuda:
 if world > 1:
     dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=args.timeout),
                             device_id=device if cuda else None)
-    drafter_group = dist.new_group([r for r in range(world) if r % local_world >= half])
+    drafter_group = dist.new_group(drafter_ranks)
     # log statistics travel on gloo (host memory): an NCCL collective on the world group would queue
     # on the target behind its sends of the next rows, which the drafter receives only after it
     stats_group = dist.new_group(backend="gloo") if cuda else None
@@ -225,8 +229,6 @@ if rank == log_rank:
         print0(f"warning: --out {args.out}: no file locks here ({e.strerror}); nothing keeps a "
                "second run out of it")
     lock.truncate(0), lock.write(f"{os.getpid()}\n"), lock.flush()
-    if args.resume and args.overwrite:
-        sys.exit("error: --resume continues the run in --out, --overwrite deletes it: pick one")
     if args.overwrite:
         for p in (ckpt_path, os.path.join(args.out, "log.jsonl")):
             if os.path.exists(p):
@@ -391,9 +393,8 @@ if runs_drafter:
     autocast = torch.autocast("cuda", torch.bfloat16) if cuda else nullcontext()
     # before any real step: this torch's compiled flex step must equal the dense step on this run's
     # layout
-    self_check = "skipped (CPU: the dense path is the only one; flex has no CPU backward)"
-    if cuda and args.no_compile:
-        self_check = "skipped (--no-compile: no compiled flex step)"
+    self_check = ("skipped (--no-compile: no compiled flex step)" if cuda else
+                  "skipped (CPU: the dense path is the only one; flex has no CPU backward)")
     if cuda and not args.no_compile:
         out_err, grad_err, seconds = flex_matches_dense(dcfg, device, flex)
         self_check = (f"compiled flex_attention == dense attention, {'+'.join(dcfg.windows())} "
@@ -418,7 +419,7 @@ def lr_at(step):
 def schedule(start):
     """Yields (step, kind, eval row). Every "train" and "eval" item moves one row target ->
     drafter; every "log" item is one stats exchange in which every rank takes part; "save" is the
-    drafters' alone."""
+    log rank's alone (it writes --out)."""
     for step in range(start, max_steps + 1):
         if step > start and (step % args.save_interval == 0 or step == max_steps):
             yield step, "save", None
@@ -482,7 +483,6 @@ def peak_gib():
 # --split-layer: a pair's target layers K..last move to its drafter GPU. Both roles measure on the
 # next rows this pair trains on, the ranks swap their numbers, and every rank picks the same K
 
-target_ranks = [r for r in range(world) if r % local_world < half]      # world size 1: [0]
 SPLIT_ROWS = 4          # rows timed after one warm-up; K is chosen for the median row
 
 def split_rows():
@@ -499,7 +499,7 @@ def agree_split(mine):
     table = torch.zeros(world, 2 * L + 1, dtype=torch.float64)
     table[rank, :len(mine)] = torch.tensor(mine, dtype=torch.float64)
     dist.all_reduce(table, group=stats_group)
-    t, d = table[target_ranks].numpy(), table[[r + half for r in target_ranks]].numpy()
+    t, d = table[target_ranks].numpy(), table[drafter_ranks].numpy()
     # besides the moved weights, the drafter GPU holds the received taps below K and hidden state
     # (at most n_feat rows of features) and the largest layer's activations
     extra = n_feat * budget * tcfg.hidden_size * tdtype.itemsize + t[:, 2 * L]
@@ -595,9 +595,8 @@ if val_ds is not None:
 
 info = dict(rank=rank, role=role, pair=pair, caches=cache_dirs,
             device=torch.cuda.get_device_name(device) if cuda else "cpu")
-infos = [info]
+infos = [info] * world          # every rank's, on every rank
 if world > 1:
-    infos = [None] * world
     dist.all_gather_object(infos, info)
 print0(f"dflash train | torch {torch.__version__} | triton {triton_version} | "
        f"{world} process(es), {n_pairs} pair(s)")
@@ -641,7 +640,7 @@ if role == "target":
         runs = [target.time_layers(ids, cu, last + 1) for ids, cu in rows]
         weights = [sum(p.numel() * p.element_size() for p in layer.parameters())
                    for layer in target.layers]
-        split = agree_split([*np.median([ms for ms, _ in runs], 0), *weights,
+        split = agree_split([*np.median([t for t, _ in runs], 0), *weights,
                              max(max(act) for _, act in runs)])
         for i in range(split, last + 1 if split else 0):
             target.layers[i] = None                 # now on the drafter GPU
@@ -739,7 +738,7 @@ def draw_anchors(row):
     blocks = block_lists(dcfg, anchors, keep, row["doc"], budget) if cuda else None
     return anchors, keep, blocks, wanted
 
-if world > 1 and split:
+if split:
     # the drafter step timed on this pair's next rows (the first call compiles it): forward,
     # backward and clip as in training, but no optimizer step, grads dropped and the global RNG
     # restored, so the run trains exactly as an unsplit one
@@ -781,13 +780,11 @@ def save_checkpoint(step):
         drafter.save_pretrained(where, step=step)
         where = tmp
         # through a Python file: a failed write then carries its errno (torch.save(path) says only
-        # "unexpected pos")
+        # "unexpected pos"). No data position or RNG state: the step gives both (packer.seek,
+        # anchors drawn from (seed, step, pair))
         with open(tmp, "wb") as f:
             torch.save(dict(drafter=drafter.state_dict(), optimizer=opt.state_dict(), step=step,
-                            args=vars(args), drafter_config=vars(dcfg), run=run, processes=world,
-                            data=dict(rows_per_pair=step, seed=args.seed),
-                            rng=dict(seed=args.seed,
-                                     note="anchors are drawn from (seed, step, pair)")), f)
+                            args=vars(args), drafter_config=vars(dcfg), run=run, processes=world), f)
         # atomic: a crash mid-write leaves the previous checkpoint intact
         os.replace(tmp, ckpt_path)
     except (OSError, RuntimeError, SafetensorError) as e:
@@ -930,7 +927,7 @@ for step, kind, r in schedule(start_step):
         prof = None
         if not fused_checked and step > start_step:
             # acc_events: torch <= 2.12 warns "Profiler clears events at the end of each cycle"
-            # even without a schedule (fixed by pytorch#180387); one cycle here, so it changes nothing
+            # even without a schedule (fixed by pytorch#180387); with one cycle it changes nothing
             prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA],
                                           acc_events=True)
             prof.__enter__()
@@ -947,13 +944,6 @@ for step, kind, r in schedule(start_step):
         opt.step()
         opt.zero_grad(set_to_none=True)
         step_marks.append((t0, t1, mark()))
-        if step == start_step:
-            sync()
-            print0(f"step {step}: first step done (drafter graph compiled) "
-                   f"{time.perf_counter() - t_start:.0f} s after start")
-            if not args.no_compile:
-                # warm: from now on a recompile is an error
-                torch._dynamo.config.error_on_recompile = True
         if prof:
             # a profiler that records CUDA activity only warns, as it stops, that it could not
             # match the host's op events to kernels ("Failed to recover relationship between all
@@ -976,6 +966,12 @@ for step, kind, r in schedule(start_step):
             sync()
             oneoff_s += time.perf_counter() - t_host
             oneoff_steps += 1
+        if step == start_step:
+            print0(f"step {step}: first step done (drafter graph compiled) "
+                   f"{time.perf_counter() - t_start:.0f} s after start")
+            if not args.no_compile:
+                # warm: from now on a recompile is an error
+                torch._dynamo.config.error_on_recompile = True
         train_sums += pack_metrics(out, wanted, nonfinite, gnorm)
         nonfinite_rows[n_window, 0] = nonfinite                     # device copies, no host sync
         nonfinite_rows[n_window, 1:] = row["where"][:2]
@@ -1015,7 +1011,7 @@ for step, kind, r in schedule(start_step):
         eta = (max_steps - step - 1) * step_s + evals_left * eval_s + saves_left * save_s
         target_ms = stats[target_ranks, 0].max().item()
         # a split pair's target layers K..last, on the drafter GPU (its local_ms)
-        moved_ms = stats[[r + half for r in target_ranks], 0].max().item() if split else 0.0
+        moved_ms = stats[drafter_ranks, 0].max().item() if split else 0.0
         rec = dict(kind="train", step=step + 1, epoch=(step + 1) / steps_per_epoch,
                    # (epoch, row) of the data plan this pair trained, per step of the window
                    rows=[[epoch, index] for _, epoch, index in flags],
@@ -1035,12 +1031,10 @@ for step, kind, r in schedule(start_step):
                    ms_step=step_ms, ms_target=target_ms, ms_wait=wait_ms, ms_drafter=drafter_ms,
                    split_layer=split, ms_target_on_drafter=moved_ms,
                    # per GPU (world 1: one GPU)
-                   busy_target=target_ms / step_ms,
-                   busy_drafter=(drafter_ms + moved_ms) / step_ms,
-                   mem_gib=stats[:, 1].tolist(),
-                   # compiled on this rank so far
-                   graphs=torch._dynamo.utils.counters["stats"]["unique_graphs"],
-                   elapsed_s=round(elapsed, 2), eta_s=round(eta, 2))
+                   busy_target=target_ms / step_ms, busy_drafter=(drafter_ms + moved_ms) / step_ms,
+                   mem_gib=stats[:, 1].tolist(), eta_s=round(eta, 2),
+                   # compiled on this rank so far (log() adds elapsed_s)
+                   graphs=torch._dynamo.utils.counters["stats"]["unique_graphs"])
         log(rec, f"step {rec['step']}/{max_steps} | ep {rec['epoch']:.2f} | "
                  f"loss {rec['loss']:.4f} | accept {rec['accept']:.3f} | lr {rec['lr']:.2e} | "
                  f"gnorm {rec['gnorm']:.2f} | "
