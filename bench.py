@@ -455,7 +455,7 @@ elif args.what == "pair":
               f"{r['busy_target']:.0%} / {r['busy_drafter']:.0%} |")
         print(f"| {name}: peak memory per GPU | "
               f"{' / '.join(f'{m:.1f}' for m in r['mem_gib'])} GiB |")
-        print(f"| {name}: compiled graphs on the drafter rank (train + eval) | {r.get('graphs')} |")
+        print(f"| {name}: compiled graphs on the drafter rank (train and eval) | {r.get('graphs')} |")
 
 elif args.what == "steps":
     # train.py as a user runs it, in this process; a global optimizer hook steps the profiler's

@@ -217,7 +217,7 @@ def test_torchrun_pairs_gloo(tmp_path, nproc):
     log = train_log(tmp_path)
     assert len(log) == 2 and all(math.isfinite(r["loss"]) for r in log)
     assert len(log[-1]["mem_gib"]) == nproc                             # every rank reported
-    assert all(r["graphs"] == 2 for r in log), [r["graphs"] for r in log]   # one train, one eval graph
+    assert all(r["graphs"] == 1 for r in log), [r["graphs"] for r in log]   # one graph: train and eval
 
 
 def test_resume_continues_exactly(tmp_path):
@@ -277,7 +277,7 @@ def test_split_pair_same_curve(unsplit_pair, tmp_path, K):
     assert curve(tmp_path) == curve(unsplit_pair) and len(curve(tmp_path)) == 23
     log = train_log(tmp_path)
     assert all(r["split_layer"] == int(chosen.group(1)) for r in log)
-    assert all(r["graphs"] == 2 for r in log), [r["graphs"] for r in log]   # one train, one eval graph
+    assert all(r["graphs"] == 1 for r in log), [r["graphs"] for r in log]   # one graph: train and eval
     if K == "5":   # the moved layer's time is the drafter's: "ms target T+M", M in the drafter's busy share
         assert all(r["ms_target_on_drafter"] > 0 for r in log) and re.search(r"ms target \d+\+\d+ wait", out)
         r = log[-1]

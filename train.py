@@ -712,23 +712,20 @@ def next_row(kind, r):
     return recv_buf[0], unpack_row(recv_buf[1])
 
 def drafter_step(feats, row, anchors, keep, blocks):
-    # the drafter's forward and loss on one row: compiled as one graph for training and one for eval
+    # the drafter's forward and loss on one row, compiled as one graph. Evals run it too, with
+    # autograd recording and no backward (their saved activations are freed with the output): a
+    # no_grad eval would be a second graph, compiled once more (~12 s on a cold cache)
     with autocast:
         return drafter(feats, tokens=row["tokens"], loss_mask=row["loss_mask"], doc=row["doc"],
                        pos=row["pos"], anchors=anchors, keep=keep, embed=embed, head=head,
                        gamma=args.gamma, flex=flex, blocks=blocks)
 
-def eval_step(*inputs):
-    with torch.no_grad():
-        return drafter_step(*inputs)
-
-train_step, eval_step_ = drafter_step, eval_step
+train_step = drafter_step
 if not args.no_compile:
     # a recompile after warm-up, or a hit recompile limit, would silently run flex_attention's dense
     # backward (~17 GB per layer at 512 anchors / 8192 budget): both are errors instead
     torch._dynamo.config.fail_on_recompile_limit_hit = True
     train_step = torch.compile(drafter_step, fullgraph=True, dynamic=False)
-    eval_step_ = torch.compile(eval_step, fullgraph=True, dynamic=False)
 
 def draw_anchors(row):
     # anchors and the BlockMask lists are made on device just before the graph (a few eager kernels,
@@ -896,9 +893,10 @@ for step, kind, r in schedule(start_step):
         feats, row = next_row("eval", r)
         torch.manual_seed(args.seed + 7919 * r)      # the same held-out anchors at every eval
         anchors, keep, blocks, wanted = draw_anchors(row)
-        out = eval_step_(feats, row, anchors, keep, blocks)
+        out = train_step(feats, row, anchors, keep, blocks)
         zero = torch.zeros((), device=device)
         eval_sums += pack_metrics(out, wanted, zero, zero)
+        del out                                     # and the activations autograd saved
         if r == len(eval_rows) - 1:
             m = unpack_metrics(reduce_drafters(eval_sums).to("cpu", copy=True))
             eval_sums.zero_()
