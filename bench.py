@@ -455,7 +455,8 @@ elif args.what == "pair":
               f"{r['busy_target']:.0%} / {r['busy_drafter']:.0%} |")
         print(f"| {name}: peak memory per GPU | "
               f"{' / '.join(f'{m:.1f}' for m in r['mem_gib'])} GiB |")
-        print(f"| {name}: compiled graphs on the drafter rank (train and eval) | {r.get('graphs')} |")
+        print(f"| {name}: compiled graphs on the drafter rank (train and eval) | "
+              f"{r.get('graphs')} |")
 
 elif args.what == "steps":
     # train.py as a user runs it, in this process; a global optimizer hook steps the profiler's
@@ -738,7 +739,8 @@ elif args.what == "prepare":
                 f.write(line)
                 size += len(line)
         os.rename(src + ".tmp", src)
-    print(f"data.py prepare, {os.path.getsize(src) / 2**20:.0f} MB of chat JSONL ({src}), "
+    mb = os.path.getsize(src) / 2**20
+    print(f"data.py prepare, {mb:.0f} MB of chat JSONL ({src}), "
           f"--tokenizer {args.tokenizer} | {os.cpu_count()} CPUs | {time.strftime('%Y-%m-%d')}")
     # M tokens per CPU-second: all processes' CPU time, which a loaded machine does not inflate
     print("| --workers | seconds | tokens | M tokens/s | M tokens per CPU-s | MB/s of JSONL | "
@@ -752,12 +754,11 @@ elif args.what == "prepare":
         subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                      "data.py"), "prepare", "--input", src,
                         "--out", out, "--tokenizer", args.tokenizer, "--workers", str(w),
-                        "--force"], check=True, capture_output=True)
+                        "--force"], check=True, stdout=subprocess.DEVNULL)
         dt = time.perf_counter() - t0
         with open(os.path.join(out, "train", "meta.json")) as f:
             n = json.load(f)["n_tokens"]
         ru = resource.getrusage(resource.RUSAGE_CHILDREN)
         cpu, peak = ru.ru_utime + ru.ru_stime - cpu0, ru.ru_maxrss >> 10
-        mb = os.path.getsize(src) / 2**20
         print(f"| {w} | {dt:.1f} | {n} | {n / dt / 1e6:.2f} | {n / cpu / 1e6:.3f} | "
               f"{mb / dt:.1f} | {3e9 / (n / dt) / 3600:.2f} | {peak} |")

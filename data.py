@@ -357,7 +357,7 @@ def _package(name, cmd):
     except ImportError:
         raise DataError(f"{cmd} needs the {name} package: pip install {name}")
 
-def _jinja_env(jinja2):
+def _jinja_env():
     """The environment of transformers' apply_chat_template (v5.24,
     transformers/utils/chat_template_utils.py), which SGLang and vLLM render templates with."""
     import jinja2.ext
@@ -496,7 +496,7 @@ class Chat:
         self.path, self.kwargs = os.path.abspath(path), dict(kwargs or {})
         self.sha256 = hashlib.sha256(text.encode()).hexdigest()
         try:
-            self.template = _jinja_env(jinja2).from_string(text)
+            self.template = _jinja_env().from_string(text)
         except jinja2.TemplateError as e:
             raise DataError(f"{self.source}: the chat template does not compile: {e}")
         self.tok = tokenizers.Tokenizer.from_file(tok_file)
@@ -706,7 +706,7 @@ def prepare(input, out, tokenizer=None, val=None, vocab_size=None, force=False, 
             raise DataError(f"--val {val} selects {n_val} of the {n_lines} lines of {input}; "
                             "need at least 1 and fewer than all")
     bad, noted, counts = Counter(), Counter(), [Counter(), Counter()]
-    total = blank = n_tok = 0
+    total = blank = 0
     t0 = last = time.time()
     writers = []
     try:
@@ -736,9 +736,8 @@ def prepare(input, out, tokenizer=None, val=None, vocab_size=None, force=False, 
                 counts[bool(held_out)].update(c)
                 for ids, mask in samples:
                     writers[1 if held_out else 0].add(ids, mask)
-                    n_tok += len(ids)
                 if time.time() - last > 5:
-                    last = time.time()
+                    last, n_tok = time.time(), sum(w.n_tokens for w in writers)
                     log(f"prepare: {total - bad.total()} lines | "
                         f"{n_tok / 1e6:.2f}M tokens | {n_tok / (last - t0) / 1e6:.2f}M tokens/s")
         n_bad = bad.total()

@@ -281,15 +281,8 @@ def main(argv=None):
     for ok, msg in checks:
         if not ok:
             sys.exit(f"error: --drafter {args.drafter} does not fit --target {args.target}: {msg}")
-    try:
-        if preset:
-            target = Target.build(tcfg, device=device, dtype=dtype)
-        else:
-            target = Target.from_pretrained(args.target, device=device, dtype=dtype)
-    except (ValueError, KeyError, FileNotFoundError) as e:
-        sys.exit(f"error: --target {args.target}: {e}")
-    eos = hf_eos(args.target) if eos is None else eos
-
+    # the prompts before the target: a bad prompt file fails in seconds, not after loading the
+    # target's weights
     if args.random_prompts:
         g = torch.Generator().manual_seed(args.seed)
         prompts = [torch.randint(0, tcfg.vocab_size, (args.prompt_len,), generator=g)
@@ -312,6 +305,14 @@ def main(argv=None):
     if bad:
         sys.exit(f"error: prompt {bad[0]} has token ids past the target's vocab "
                  f"({tcfg.vocab_size}): wrong tokenizer or dataset for this target")
+    try:
+        if preset:
+            target = Target.build(tcfg, device=device, dtype=dtype)
+        else:
+            target = Target.from_pretrained(args.target, device=device, dtype=dtype)
+    except (ValueError, KeyError, FileNotFoundError) as e:
+        sys.exit(f"error: --target {args.target}: {e}")
+    eos = hf_eos(args.target) if eos is None else eos
     print(f"target {args.target} on {device} ({dtype}) | "
           f"drafter {args.drafter}: {c.num_hidden_layers} layers, "
           f"block {c.block_size}, mask token {c.mask_token_id}, taps {c.target_layer_ids} | "

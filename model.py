@@ -555,10 +555,9 @@ class Drafter(nn.Module):
         # the exact key set and shapes, named (load_state_dict's error is a page long)
         want = model.state_dict()
         for k in sorted(want.keys() | weights.keys()):
-            got, shape = weights.get(k), want[k].shape if k in want else None
-            if got is None or shape is None or got.shape != shape:
-                have = tuple(got.shape) if got is not None else "missing"
-                need = tuple(shape) if shape is not None else "absent"
+            have = tuple(weights[k].shape) if k in weights else "missing"
+            need = tuple(want[k].shape) if k in want else "absent"
+            if have != need:
                 raise ValueError(f"{files[1]} does not fit {files[0]}: tensor {k} is {have}, the "
                                  f"config makes it {need}")
         model.load_state_dict(weights)
