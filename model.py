@@ -693,3 +693,14 @@ def flex_matches_dense(config, device, kernel_options=None, candidate=None):
     rel = [((a - b).norm() / b.norm().clamp(min=1e-30)).item() for a, b in zip(*results[::-1])]
     # per kind: output, dq, dk, dv
     return max(rel[0::4]), max(r for i, r in enumerate(rel) if i % 4), time.perf_counter() - t0
+
+if __name__ == "__main__":
+    # train.py's start-up self-check, in a second process while train.py starts (loads the data and
+    # the target, autotunes and compiles its own step): python model.py --self-check CONFIG_JSON
+    # DEVICE prints [output rel err, max grad rel err, seconds] of flex_matches_dense as JSON
+    import sys
+    assert sys.argv[1] == "--self-check", "usage: python model.py --self-check CONFIG_JSON DEVICE"
+    device = torch.device(sys.argv[3])
+    torch.cuda.set_device(device)
+    config = DrafterConfig(**json.loads(sys.argv[2]))
+    print(json.dumps(flex_matches_dense(config, device, flex_kernel_options(device))))

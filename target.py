@@ -12,6 +12,7 @@ import os
 import time
 import zlib
 from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -182,15 +183,35 @@ def torch_chunk_gated_delta_rule(q, k, v, g, beta, chunk=None):
     o = torch.stack(out, 1).reshape(heads, n * chunk, -1).transpose(0, 1)  # [T_padded, heads, dv]
     return o[:T]
 
-@functools.lru_cache(maxsize=4)
-def _chunk_indices(cu, device):
-    # fla's work list of 64-token chunks for boundaries cu (a tuple): [n_chunks, 2] = (document,
-    # chunk within it), as fla.ops.utils.prepare_chunk_indices makes it, but from the host's
-    # boundaries (fla makes it from the device cu_seqlens with a host sync in every forward)
+def _chunk_list(cu):
+    # fla's work list of 64-token chunks for boundaries cu: [n_chunks, 2] = (document, chunk
+    # within it), as fla.ops.utils.prepare_chunk_indices makes it, but from the host's boundaries
+    # (fla makes it from the device cu_seqlens with a host sync in every forward)
     counts = (np.diff(cu) + 63) // 64                                  # numpy: positions_from_cu
     doc = np.repeat(np.arange(len(counts)), counts)
     first = np.cumsum(counts) - counts
-    return upload(torch.from_numpy(np.stack([doc, np.arange(len(doc)) - first[doc]], 1)), device)
+    return np.stack([doc, np.arange(len(doc)) - first[doc]], 1)
+
+@functools.lru_cache(maxsize=4)
+def _chunk_indices(cu, device):
+    # _chunk_list of cu (a tuple) on device
+    return upload(torch.from_numpy(_chunk_list(cu)), device)
+
+class Docs(NamedTuple):
+    """The document boundaries of a packed row, as every layer reads them: cu [n+1] long on the
+    row's device, the same as a host list (the CPU path), fla's chunk list (CUDA) and the longest
+    document (flash attention's grid)."""
+    cu: torch.Tensor
+    bounds: list
+    chunks: torch.Tensor | None
+    longest: int
+
+    @staticmethod
+    def of(cu_seqlens, device):
+        # cu_seqlens [n+1] long on the CPU
+        bounds = cu_seqlens.tolist()
+        chunks = _chunk_indices(tuple(bounds), device) if device.type == "cuda" else None
+        return Docs(upload(cu_seqlens, device), bounds, chunks, int(np.diff(bounds).max()))
 
 @functools.cache
 def _fla():
@@ -229,6 +250,47 @@ def _compile_autotune_configs_at_once():
                 self.warmup(*args, **{k: v for k, v in kwargs.items() if k != "warmup"})
         return run(self, *args, **kwargs)
     Autotuner.run = run_all_compiled
+
+class FeatureGraphs:
+    """target.features(ids, cu_seqlens, layer_ids) replayed from CUDA graphs. A small target's
+    forward is launch-bound: the demo's (6 layers, 64 wide) spends ~19 ms of host time queueing
+    ~200 kernels through fla's Python wrappers for ~1 ms of GPU work on an H200; a replay queues
+    them all at once. The kernels' grids depend on a row only through its document count and fla's
+    64-token chunk count, so there is one graph per such shape; every value (tokens, boundaries,
+    positions, chunk list) is copied into the graph's input buffers before a replay. A shape runs
+    eagerly the first time it comes, captured the second (nothing may sync while capturing: fla's
+    autotuner must have its kernels tuned). Flash attention gets the row length as the longest
+    document: a bigger grid, the same result. The graphs share one memory pool: a replay's output
+    is copied out before the next. Dense targets only (the MoE path syncs on toy sizes)."""
+    def __init__(self, target, layer_ids):
+        self.target, self.layer_ids = target, layer_ids
+        self.graphs, self.seen, self.pool = {}, set(), None
+
+    def __call__(self, ids, cu_seqlens):
+        bounds = cu_seqlens.numpy()
+        chunks = _chunk_list(bounds)
+        key, dev, T = (len(bounds), len(chunks)), ids.device, ids.shape[0]
+        if key not in self.graphs:
+            if key not in self.seen:
+                self.seen.add(key)
+                return self.target.features(ids, cu_seqlens, self.layer_ids)
+            # fresh buffers: fla caches what it derives from cu_seqlens by tensor identity
+            new = lambda *shape: torch.zeros(*shape, dtype=torch.long, device=dev)
+            docs = Docs(new(len(bounds)), None, new(len(chunks), 2), T)
+            inputs = new(T), docs, new(T)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = self.target.features(inputs[0], None, self.layer_ids, docs=(docs, inputs[2]))
+            self.pool = graph.pool()
+            self.graphs[key] = graph, inputs, out
+        graph, (ids_in, docs, pos), out = self.graphs[key]
+        # one upload: boundaries, positions, chunk list
+        host = np.concatenate([bounds, positions_from_cu(cu_seqlens).numpy(), chunks.ravel()])
+        host = upload(torch.from_numpy(host), dev).split([len(bounds), T, chunks.size])
+        ids_in.copy_(ids), docs.cu.copy_(host[0]), pos.copy_(host[1])
+        docs.chunks.view(-1).copy_(host[2])
+        graph.replay()
+        return out.clone()
 
 # -----------------------------------------------------------------------------
 # target config and layers
@@ -448,7 +510,7 @@ class GatedAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps, plus_one=True)
         self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps, plus_one=True)
 
-    def forward(self, x, rope, cu, cu_list, cache=None):
+    def forward(self, x, rope, docs, cache=None):
         T, hd = x.shape[0], self.head_dim
         # [T, heads, hd] each
         q, gate = self.q_proj(x).view(T, self.n_heads, 2 * hd).chunk(2, dim=-1)
@@ -469,16 +531,15 @@ class GatedAttention(nn.Module):
             # document-causal attention over all documents in one varlen (flash) call, K/V repeated
             # to the query heads (the fastest of the kernels bench.py target compares)
             from torch.nn.attention.varlen import varlen_attn
-            rep, cu32 = self.n_heads // self.n_kv_heads, cu.to(torch.int32)
-            longest = max(b - a for a, b in zip(cu_list[:-1], cu_list[1:]))
+            rep, cu32 = self.n_heads // self.n_kv_heads, docs.cu.to(torch.int32)
             k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-            o = varlen_attn(q, k, v, cu32, cu32, longest, longest, window_size=(-1, 0))
+            o = varlen_attn(q, k, v, cu32, cu32, docs.longest, docs.longest, window_size=(-1, 0))
         else:
             # documents padded into one batch [n_docs, heads, longest, hd]; causal, so no query
             # sees the padding
-            q, k, v = (pad_docs(t, cu_list).transpose(1, 2) for t in (q, k, v))
+            q, k, v = (pad_docs(t, docs.bounds).transpose(1, 2) for t in (q, k, v))
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            o = unpad_docs(o.transpose(1, 2), cu_list)                       # [T, heads, hd]
+            o = unpad_docs(o.transpose(1, 2), docs.bounds)                   # [T, heads, hd]
         o = o.reshape(T, self.n_heads * hd)
         return self.o_proj(o * torch.sigmoid(gate.reshape(T, -1)))
 
@@ -502,7 +563,7 @@ class GatedDeltaNet(nn.Module):
         self.norm = RMSNorm(self.dv, self.eps)              # plain weight, then * silu(z)
         self.out_proj = nn.Linear(value_dim, c.hidden_size, bias=False)
 
-    def forward(self, x, rope, cu, cu_list, cache=None):     # rope unused: GDN has no positions
+    def forward(self, x, rope, docs, cache=None):     # rope unused: GDN has no positions
         T, key_dim = x.shape[0], self.n_qk * self.dk
         qkv = self.in_proj_qkv(x)
         z = self.in_proj_z(x).view(T, self.n_v, self.dv)
@@ -512,14 +573,13 @@ class GatedDeltaNet(nn.Module):
         split = [key_dim, key_dim, self.n_v * self.dv]
         if x.is_cuda and cache is None:
             chunk_gated_delta_rule, causal_conv1d, rms_norm_gated = _fla()
-            chunks = _chunk_indices(tuple(cu_list), x.device)
             y, _ = causal_conv1d(qkv[None], weight=self.conv1d.weight[:, 0], activation="silu",
-                                 cu_seqlens=cu, chunk_indices=chunks)
+                                 cu_seqlens=docs.cu, chunk_indices=docs.chunks)
             q, k, v = y[0].split(split, dim=-1)
             q, k = q.view(1, T, self.n_qk, self.dk), k.view(1, T, self.n_qk, self.dk)
             o, _ = chunk_gated_delta_rule(q, k, v.view(1, T, self.n_v, self.dv), g=g[None],
                                           beta=beta[None], use_qk_l2norm_in_kernel=True,
-                                          cu_seqlens=cu, chunk_indices=chunks)
+                                          cu_seqlens=docs.cu, chunk_indices=docs.chunks)
             o = rms_norm_gated(o[0], z, self.norm.weight, None, activation="swish", eps=self.eps)
         else:
             width = self.conv1d.weight.shape[-1]
@@ -532,8 +592,8 @@ class GatedDeltaNet(nn.Module):
             else:
                 # causal depthwise conv that restarts at every document start: zero the taps from
                 # other documents
-                doc = torch.repeat_interleave(torch.arange(len(cu_list) - 1),
-                                              torch.tensor(cu_list).diff())
+                doc = torch.repeat_interleave(torch.arange(len(docs.bounds) - 1),
+                                              torch.tensor(docs.bounds).diff())
                 windows = F.pad(qkv, (0, 0, width - 1, 0)).unfold(0, width, 1)  # [T, channels, w]
                 window_doc = F.pad(doc, (width - 1, 0), value=-1).unfold(0, width, 1)  # [T, width]
                 windows = windows * (window_doc == doc[:, None])[:, None, :].to(windows.dtype)
@@ -559,15 +619,14 @@ class GatedDeltaNet(nn.Module):
             else:
                 # every document restarts the state: pad them into one batch and fold the batch
                 # into the heads
-                n_docs = len(cu_list) - 1
-                longest = max(b - a for a, b in zip(cu_list[:-1], cu_list[1:]))
+                n_docs, longest = len(docs.bounds) - 1, docs.longest
                 def fold(t):   # [T, heads, ...] -> [longest, n_docs * heads, ...]
-                    return pad_docs(t, cu_list).transpose(0, 1).reshape(
+                    return pad_docs(t, docs.bounds).transpose(0, 1).reshape(
                         longest, n_docs * self.n_v, *t.shape[2:])
                 o = torch_chunk_gated_delta_rule(*(fold(t) for t in (q, k, v, g, beta)))
                 # [n_docs, longest, heads, dv]
                 o = o.view(longest, n_docs, self.n_v, self.dv).transpose(0, 1)
-                o = unpad_docs(o, cu_list).to(x.dtype)
+                o = unpad_docs(o, docs.bounds).to(x.dtype)
             o = (self.norm(o).float() * F.silu(z.float())).to(x.dtype)
         return self.out_proj(o.reshape(T, -1))
 
@@ -642,9 +701,9 @@ class TargetLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(c)
         self.mlp = MoE(c) if c.num_experts else MLP(c.hidden_size, c.intermediate_size)
 
-    def forward(self, h, rope, cu, cu_list, cache=None):
+    def forward(self, h, rope, docs, cache=None):
         mixer = self.self_attn if self.kind == "full_attention" else self.linear_attn
-        h = h + mixer(self.input_layernorm(h), rope, cu, cu_list, cache)
+        h = h + mixer(self.input_layernorm(h), rope, docs, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 # -----------------------------------------------------------------------------
@@ -831,25 +890,25 @@ class Target(nn.Module):
         model.load_state_dict(state, assign=True)
         return model
 
-    def _run(self, ids, cu_seqlens, stop, h=None):
+    def _run(self, ids, cu_seqlens, stop, h=None, docs=None):
         # ids [T] long (device), cu_seqlens [n+1] long on the CPU: boundaries of the packed
-        # documents. From the embedding of ids, or from h [T, hidden]: the hidden state entering
-        # layer self.first (a split pair's drafter rank)
+        # documents; or docs = (Docs, positions [T]) made already (FeatureGraphs' input buffers).
+        # From the embedding of ids, or from h [T, hidden]: the hidden state entering layer
+        # self.first (a split pair's drafter rank)
         c = self.config
-        cu_list = cu_seqlens.tolist()
         if h is None:
             assert self.first == 0, f"layers {self.first}.. start from a hidden state: pass h"
             h = self.embed_tokens(ids)
-        pos = upload(positions_from_cu(cu_seqlens), h.device)
+        docs, pos = docs or (Docs.of(cu_seqlens, h.device),
+                             upload(positions_from_cu(cu_seqlens), h.device))
         rope = rope_cos_sin(pos, int(c.head_dim * c.partial_rotary_factor), c.rope_theta,
                             c.rope_scaling, c.max_position_embeddings)
-        cu = upload(cu_seqlens, h.device)
         for i in range(self.first, stop):
-            h = self.layers[i](h, rope, cu, cu_list)
+            h = self.layers[i](h, rope, docs)
             yield i, h
 
     @torch.inference_mode()
-    def features(self, ids, cu_seqlens, layer_ids, stop=None, h=None):
+    def features(self, ids, cu_seqlens, layer_ids, stop=None, h=None, docs=None):
         """Concatenated outputs of decoder layers `layer_ids` (HF hidden_states[i+1]) ->
         [T, len * hidden]. Stops computing after the last requested layer.
         A pair split at layer K (train.py --split-layer) computes them in two parts: stop=K runs
@@ -860,7 +919,7 @@ class Target(nn.Module):
         assert self.first < end <= self.n_layers, (f"layers {self.first}..{end - 1} were not "
                                                     f"built (n_layers={self.n_layers})")
         taps = {}
-        for i, out in self._run(ids, cu_seqlens, end, h):
+        for i, out in self._run(ids, cu_seqlens, end, h, docs):
             if i in layer_ids:
                 taps[i] = out
         feats = [taps[i] for i in layer_ids if i in taps]
@@ -934,7 +993,7 @@ class Target(nn.Module):
                                 c.rope_scaling, c.max_position_embeddings)
             h = self.embed_tokens(seq[:, t])
             for layer, cache in zip(self.layers, caches):
-                h = layer(h, rope, None, None, cache)
+                h = layer(h, rope, None, cache)
             nxt = self.lm_head(self.norm(h)).float().argmax(-1)
             seq[:, t + 1] = torch.where(lens > t + 1, seq[:, t + 1], nxt)
         return seq

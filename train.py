@@ -18,6 +18,7 @@ import math
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -107,6 +108,9 @@ group.add_argument("--wandb-name", default=None, help="W&B run name (default: wa
 group = parser.add_argument_group("system")
 group.add_argument("--no-compile", action="store_true", help="run the drafter step eagerly "
                    "(debugging only; dense flex backward on GPU)")
+group.add_argument("--no-cuda-graphs", action="store_true", help="queue every kernel from Python "
+                   "even where a pass is launch-bound (by default such a target forward or drafter "
+                   "step is measured at start and then replayed from a CUDA graph)")
 group.add_argument("--cache-dir", default=None, help="root of the per-rank Triton/Inductor caches "
                    "(default /tmp/dflash-cache-USER)")
 group.add_argument("--fresh-cache", action="store_true",
@@ -160,9 +164,9 @@ sys.excepthook = on_error
 import numpy as np
 import torch
 import torch.distributed as dist
-from target import Target, TargetConfig, choose_split, upload
+from target import FeatureGraphs, Target, TargetConfig, choose_split, upload
 from model import Drafter, DrafterConfig, sample_anchors, block_lists
-from model import flex_backward_kernels, flex_kernel_options, flex_matches_dense
+from model import flex_backward_kernels, flex_kernel_options
 from data import DataError, open_dataset, Packer, make_demo
 from safetensors import SafetensorError
 
@@ -207,6 +211,22 @@ def sync():
     # this stream only: on a target a device-wide sync would also wait for its in-flight sends
     if cuda:
         torch.cuda.current_stream(device).synchronize()
+
+def launch_bound(what, fn, *a):
+    """fn(*a), and whether a CUDA graph would speed it up: when the GPU is done within a quarter of
+    the host's queueing time after the host is, the host sets the pace (a small model: the demo's
+    drafter step queues for ~15 ms and the GPU ends 0.1 ms later; a 27B step queues for ~30 ms and
+    runs ~800 ms)."""
+    sync()
+    t0 = time.perf_counter()
+    out = fn(*a)
+    t1 = time.perf_counter()
+    sync()
+    host, drain = (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3
+    bound = drain < host / 4
+    print0(f"{what}: {host:.1f} ms to queue, GPU done {drain:.1f} ms later: "
+           + ("launch-bound, replayed from a CUDA graph from now on" if bound else "run eagerly"))
+    return out, bound
 
 # -----------------------------------------------------------------------------
 # the output dir: one run at a time, and no finished run replaced by accident (the log rank
@@ -391,21 +411,44 @@ if runs_drafter:
     opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
     flex = flex_kernel_options(device) if cuda else None            # flex_attention tiles
     autocast = torch.autocast("cuda", torch.bfloat16) if cuda else nullcontext()
-    # before any real step: this torch's compiled flex step must equal the dense step on this run's
-    # layout
+    # before any update: this torch's compiled flex step must equal the dense step on this run's
+    # layout (model.flex_matches_dense). Run by a second process with its own caches while this one
+    # starts (~12 s of compiling on a cold cache, hidden behind the target's autotuning)
     self_check = ("skipped (--no-compile: no compiled flex step)" if cuda else
                   "skipped (CPU: the dense path is the only one; flex has no CPU backward)")
+    checker, check_log = None, tempfile.TemporaryFile()
     if cuda and not args.no_compile:
-        out_err, grad_err, seconds = flex_matches_dense(dcfg, device, flex)
-        self_check = (f"compiled flex_attention == dense attention, {'+'.join(dcfg.windows())} "
-                      f"masks: output rel err {out_err:.1e}, max grad (q, k, v) rel err "
-                      f"{grad_err:.1e} ({seconds:.0f} s)")
-        if not (out_err < 1e-3 and grad_err < 1e-3):
-            sys.exit(f"error: self-check failed: {self_check}; flex_attention of torch "
-                     f"{torch.__version__} / triton {triton_version} computes wrong attention "
-                     "on this GPU; use another torch release")
+        env = dict(os.environ, **{v: os.path.join(rank_cache, "self-check", d) for v, d in
+                                  (("TRITON_CACHE_DIR", "triton"),
+                                   ("TORCHINDUCTOR_CACHE_DIR", "inductor"))})
+        checker = subprocess.Popen(
+            [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "model.py"),
+             "--self-check", json.dumps(vars(dcfg)), str(device)], env=env,
+            stdout=subprocess.PIPE, stderr=check_log, text=True)
+        self_check = (f"running in a second process (pid {checker.pid}), joined before the first "
+                      "update")
         # (--no-compile runs flex eagerly on purpose)
         warnings.filterwarnings("error", message=".*flex_attention called without torch.compile.*")
+
+def finish_self_check():
+    global self_check, checker
+    out = checker.communicate()[0].strip().splitlines()
+    if checker.returncode or not out:
+        check_log.seek(0)
+        why = (check_log.read().decode(errors="replace").strip().splitlines() or ["?"])[-1]
+        sys.exit(f"error: self-check (python model.py --self-check ...) failed to run: {why}")
+    out_err, grad_err, seconds = json.loads(out[-1])
+    self_check = (f"compiled flex_attention == dense attention, {'+'.join(dcfg.windows())} "
+                  f"masks: output rel err {out_err:.1e}, max grad (q, k, v) rel err "
+                  f"{grad_err:.1e} ({seconds:.0f} s, second process)")
+    if not (out_err < 1e-3 and grad_err < 1e-3):
+        sys.exit(f"error: self-check failed: {self_check}; flex_attention of torch "
+                 f"{torch.__version__} / triton {triton_version} computes wrong attention "
+                 "on this GPU; use another torch release")
+    print0(f"self-check: {self_check}")
+    if wandb_run:
+        wandb_run.config.update(dict(self_check=self_check), allow_val_change=True)
+    checker = None
 
 def lr_at(step):
     warm = max(1, round(args.warmup * max_steps))
@@ -444,14 +487,28 @@ def pack_row(row):
 def unpack_row(packed):
     return dict(zip(ROW_FIELDS, packed))
 
+# launch-bound passes (a small model) are replayed from CUDA graphs, decided on this run's own
+# timing (launch_bound); not with an eager drafter step (debugging), not for MoE targets
+graphs_wanted = cuda and not args.no_compile and not args.no_cuda_graphs
+target_rows, feature_graphs = 0, None
+
 def load_row(kind, r):
     """([target features], packed fields) of the next row of `kind` (target ranks, world size 1):
     one upload, whose tokens row feeds the target, made before its forward is queued. A split
     pair's target sends [taps below K (if any), hidden state after layer K-1] instead."""
+    global target_rows, feature_graphs
     row = eval_rows[r] if kind == "eval" else packer.next_row()
     packed = pack_row(row)
     cu = torch.from_numpy(row.cu_seqlens)
     if not split:
+        if feature_graphs:
+            return [feature_graphs(packed[0], cu)], packed
+        target_rows += kind == "train"
+        # the first train row autotunes fla's kernels; the second is timed
+        if target_rows == 2 and graphs_wanted and not tcfg.num_experts:
+            feats, bound = launch_bound("target forward", target.features, packed[0], cu, taps)
+            feature_graphs = FeatureGraphs(target, taps) if bound else None
+            return [feats], packed
         return [target.features(packed[0], cu, taps)], packed
     below, hidden = target.features(packed[0], cu, taps, stop=split)
     return [below, hidden] if below.numel() else [hidden], packed
@@ -685,7 +742,7 @@ if world > 1:
 local_forwards = []
 
 def next_row(kind, r):
-    """The next (feats, row fields) from this pair's target; in world size 1 the target runs
+    """The next (feats, packed row fields) from this pair's target; in world size 1 the target runs
     here."""
     if world == 1:
         t0 = mark()
@@ -693,7 +750,7 @@ def next_row(kind, r):
         if kind == "train":
             local_forwards.append((t0, mark()))
         # a clone: autograd cannot save inference tensors
-        return feats[0].clone(), unpack_row(packed)
+        return feats[0].clone(), packed
     # the receive is posted only now, queued behind the previous step: a receive posted earlier
     # keeps an NCCL kernel resident on this GPU's SMs through the whole step; the target queued its
     # send long ago
@@ -709,7 +766,7 @@ def next_row(kind, r):
         torch.cat([*split_bufs[:-1], top], dim=-1, out=recv_buf[0])
         if kind == "train":
             local_forwards.append((t0, mark()))
-    return recv_buf[0], unpack_row(recv_buf[1])
+    return recv_buf[0], recv_buf[1]
 
 def drafter_step(feats, row, anchors, keep, blocks):
     # the drafter's forward and loss on one row, compiled as one graph. Evals run it too, with
@@ -734,6 +791,37 @@ def draw_anchors(row):
     anchors, keep, wanted = sample_anchors(row["loss_mask"], row["doc"], per_doc, row_anchors)
     blocks = block_lists(dcfg, anchors, keep, row["doc"], budget) if cuda else None
     return anchors, keep, blocks, wanted
+
+def update(feats, row):
+    """One optimizer step on one row: anchors, the compiled forward and backward, clip, AdamW.
+    Nothing in it syncs with the host, so it can be captured as a CUDA graph. Returns the
+    window's metrics of the step and its non-finite flag (then AdamW skipped the update)."""
+    anchors, keep, blocks, wanted = draw_anchors(row)
+    out = train_step(feats, row, anchors, keep, blocks)
+    out["loss"].backward()
+    if n_pairs > 1:
+        for p in params:
+            dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=drafter_group)
+    gnorm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
+    nonfinite = ~(torch.isfinite(gnorm) & torch.isfinite(out["loss"]))
+    # fused AdamW skips the update on device when set: no host sync
+    opt.found_inf = nonfinite.float()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return pack_metrics(out, wanted, nonfinite, gnorm), nonfinite
+
+def capture_update(feats, packed, step):
+    """update() as a CUDA graph over input buffers the caller fills (features, packed fields) and
+    a learning rate on the device. Its random anchors stay those of the eager step: a replay reads
+    the RNG seed set just before it (torch's graph-safe Philox state)."""
+    inputs = feats.clone(), packed.clone()
+    for group in opt.param_groups:
+        # fused AdamW: the same kernel, a device lr, allowed inside a capture
+        group.update(capturable=True, lr=torch.tensor(lr_at(step), device=device))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = update(inputs[0], unpack_row(inputs[1]))
+    return graph, inputs, outputs
 
 if split:
     # the drafter step timed on this pair's next rows (the first call compiles it): forward,
@@ -868,6 +956,7 @@ log(dict(kind="start", step=start_step, resume=args.resume, processes=world, pai
          changed=changed, args=vars(args), truncated=truncated), line)
 
 params = list(drafter.parameters())
+step_graph = None                   # (graph, input buffers, outputs) once update() is captured
 train_sums = torch.zeros(sum(METRICS.values()), device=device)
 eval_sums = torch.zeros_like(train_sums)
 # non-finite?, epoch, row
@@ -890,7 +979,8 @@ for step, kind, r in schedule(start_step):
     elif kind == "eval":
         if r == 0:
             t_eval = time.perf_counter()
-        feats, row = next_row("eval", r)
+        feats, packed = next_row("eval", r)
+        row = unpack_row(packed)
         torch.manual_seed(args.seed + 7919 * r)      # the same held-out anchors at every eval
         anchors, keep, blocks, wanted = draw_anchors(row)
         out = train_step(feats, row, anchors, keep, blocks)
@@ -914,12 +1004,13 @@ for step, kind, r in schedule(start_step):
     elif kind == "train":
         t_host = time.perf_counter()
         t0 = mark()
-        feats, row = next_row("train", None)
+        feats, packed = next_row("train", None)
+        row = unpack_row(packed)
         t1 = mark()
+        if checker:
+            finish_self_check()
         # anchors: a function of (seed, step, pair)
         torch.manual_seed(args.seed * 1_000_003 + step * 1009 + pair)
-        for group_ in opt.param_groups:
-            group_["lr"] = lr_at(step)
         # the fused-backward check profiles the first step after the one that compiled (a profiler
         # around compilation would also record every autotuning kernel)
         prof = None
@@ -929,18 +1020,22 @@ for step, kind, r in schedule(start_step):
             prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA],
                                           acc_events=True)
             prof.__enter__()
-        anchors, keep, blocks, wanted = draw_anchors(row)
-        out = train_step(feats, row, anchors, keep, blocks)
-        out["loss"].backward()
-        if n_pairs > 1:
-            for p in params:
-                dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=drafter_group)
-        gnorm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
-        nonfinite = ~(torch.isfinite(gnorm) & torch.isfinite(out["loss"]))
-        # fused AdamW skips the update on device when set: no host sync
-        opt.found_inf = nonfinite.float()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        timed = not step_graph and step == start_step + 2 and graphs_wanted and n_pairs == 1
+        if step_graph:
+            graph, inputs, outputs = step_graph
+            inputs[0].copy_(feats), inputs[1].copy_(packed)
+            opt.param_groups[0]["lr"].fill_(lr_at(step))
+            graph.replay()
+        else:
+            for group_ in opt.param_groups:
+                group_["lr"] = lr_at(step)
+            # compiled and its fused backward checked: timed (all-reduced gradients stay eager)
+            if timed:
+                outputs, bound = launch_bound("drafter step", update, feats, row)
+                step_graph = capture_update(feats, packed, step) if bound else None
+            else:
+                outputs = update(feats, row)
+        metrics, nonfinite = outputs
         step_marks.append((t0, t1, mark()))
         if prof:
             # a profiler that records CUDA activity only warns, as it stops, that it could not
@@ -960,7 +1055,7 @@ for step, kind, r in schedule(start_step):
             print0(f"step {step}: fused flex_attention backward verified "
                    f"(profiler saw {', '.join(kernels)})")
             fused_checked = True
-        if step == start_step or prof:
+        if step == start_step or prof or timed:
             sync()
             oneoff_s += time.perf_counter() - t_host
             oneoff_steps += 1
@@ -970,7 +1065,7 @@ for step, kind, r in schedule(start_step):
             if not args.no_compile:
                 # warm: from now on a recompile is an error
                 torch._dynamo.config.error_on_recompile = True
-        train_sums += pack_metrics(out, wanted, nonfinite, gnorm)
+        train_sums += metrics
         nonfinite_rows[n_window, 0] = nonfinite                     # device copies, no host sync
         nonfinite_rows[n_window, 1:] = row["where"][:2]
         n_window += 1
