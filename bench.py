@@ -3,7 +3,8 @@ GPU checks and measurements (needs CUDA and fla-core; not part of the CPU test s
 
   python bench.py check                      # fla target == torch target on packed rows; flex step
                                              # == dense step (train.py's start-up self-check,
-                                             # published and all-full layouts)
+                                             # published and all-full layouts); CUDA graphs ==
+                                             # eager (target forward; the demo, 200 steps)
   python bench.py target --budget 8192       # qwen3.6-27b forward: ms, MFU, memory; full-attention
                                              # kernels compared
   python bench.py target --target qwen3.5-35b-a3b
@@ -196,6 +197,19 @@ if args.what == "check":
     from fla.ops.utils import prepare_chunk_indices
     assert torch.equal(target_module._chunk_indices(tuple(cu.tolist()), dev),
                        prepare_chunk_indices(cu.to(dev), 64)), "chunk indices differ from fla's"
+    # the target's CUDA graphs (train.py, launch-bound rows): rows of one shape (documents, 64-token
+    # chunks) but other boundaries replay the captured graph and must equal the eager forward
+    graphs = target_module.FeatureGraphs(gpu, [0, 1, 2, 3])
+    shapes = [[0, 300, 1100, 1400, 2048], [0, 310, 1090, 1400, 2048], [0, 280, 1130, 1390, 2048],
+              [0, 700, 2048], [0, 690, 2048], [0, 2048]]
+    diff = 0.0
+    for bounds in shapes * 3:
+        row_ids, row_cu = torch.randint(0, 1024, (2048,), device=dev), torch.tensor(bounds)
+        ref = gpu.features(row_ids, row_cu, [0, 1, 2, 3])
+        diff = max(diff, (graphs(row_ids, row_cu) - ref).abs().max().item())
+    print(f"target CUDA graphs: {len(graphs.graphs)} shapes captured, {len(shapes) * 3} rows: "
+          f"max abs diff from the eager forward {diff:.1e}")
+    assert diff == 0, "a replayed target forward differs from the eager one"
     # the MoE target the same way (grouped GEMM in bf16 on the GPU, one matmul per expert in fp32
     # on the CPU), with top-k = all experts: bf16 router logits pick other experts than fp32 ones
     # for a few % of tokens (near ties)
@@ -227,6 +241,24 @@ if args.what == "check":
               f"{out_err:.1e}, max grad rel err {grad_err:.1e}, {seconds:.0f} s")
         assert out_err < 1e-3 and grad_err < 1e-3, (
             "flex BlockMask path disagrees with the dense path")
+    # 3) train.py's demo with its launch-bound passes replayed from CUDA graphs (the target forward
+    # and the whole update) against --no-cuda-graphs: the same records and final weights
+    from safetensors.torch import load_file
+    logs, weights = {}, {}
+    for flag in ("", "--no-cuda-graphs"):
+        out = os.path.join(args.out, "graphs" + flag)
+        subprocess.run([sys.executable, "train.py", "--max-steps", "200", "--overwrite", "--out",
+                        out] + [flag] * bool(flag), check=True, capture_output=True)
+        logs[flag] = [{k: r[k] for k in ("kind", "step", "loss", "accept", "gnorm") if k in r}
+                      for r in map(json.loads, open(os.path.join(out, "log.jsonl")))
+                      if r["kind"] in ("train", "eval")]
+        weights[flag] = load_file(os.path.join(out, "drafter", "model.safetensors"))
+    diff = max((weights[""][k].float() - v.float()).abs().max().item()
+               for k, v in weights["--no-cuda-graphs"].items())
+    print(f"demo, 200 steps, CUDA graphs vs --no-cuda-graphs: {len(logs[''])} train/eval records "
+          f"{'equal' if logs[''] == logs['--no-cuda-graphs'] else 'DIFFER'}, final weights max abs "
+          f"diff {diff:.1e}")
+    assert logs[""] == logs["--no-cuda-graphs"] and diff == 0, "CUDA graphs changed training"
     print("check: OK")
 
 elif args.what == "target":

@@ -697,10 +697,12 @@ def flex_matches_dense(config, device, kernel_options=None, candidate=None):
 if __name__ == "__main__":
     # train.py's start-up self-check, in a second process while train.py starts (loads the data and
     # the target, autotunes and compiles its own step): python model.py --self-check CONFIG_JSON
-    # DEVICE prints [output rel err, max grad rel err, seconds] of flex_matches_dense as JSON
+    # DEVICE OUT writes [output rel err, max grad rel err, seconds] of flex_matches_dense to OUT
     import sys
-    assert sys.argv[1] == "--self-check", "usage: python model.py --self-check CONFIG_JSON DEVICE"
+    assert sys.argv[1] == "--self-check", "usage: python model.py --self-check CONFIG DEVICE OUT"
     device = torch.device(sys.argv[3])
     torch.cuda.set_device(device)
-    config = DrafterConfig(**json.loads(sys.argv[2]))
-    print(json.dumps(flex_matches_dense(config, device, flex_kernel_options(device))))
+    result = flex_matches_dense(DrafterConfig(**json.loads(sys.argv[2])), device,
+                                flex_kernel_options(device))
+    with open(sys.argv[4], "w") as f:
+        json.dump(result, f)

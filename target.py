@@ -227,7 +227,8 @@ def _compile_autotune_configs_at_once():
     after the other: fla's GDN forward has 8 autotuned kernels of up to 36 configs, ~40 s before
     the first forward on a cold cache. Here every config of a kernel is compiled first, together
     on a thread pool (triton's AsyncCompileMode, triton >= 3.4), then the autotuner benchmarks
-    them as before and picks the same way."""
+    them as before and picks the same way. (A child process forked per config, past the GIL that
+    triton's compiler holds, was slower on an H200 host: 42 s vs 27 s for the demo's target.)"""
     from concurrent.futures import ThreadPoolExecutor
     from triton.runtime.autotuner import Autotuner
     try:

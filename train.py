@@ -413,18 +413,21 @@ if runs_drafter:
     autocast = torch.autocast("cuda", torch.bfloat16) if cuda else nullcontext()
     # before any update: this torch's compiled flex step must equal the dense step on this run's
     # layout (model.flex_matches_dense). Run by a second process with its own caches while this one
-    # starts (~12 s of compiling on a cold cache, hidden behind the target's autotuning)
+    # starts (~12 s of compiling on a cold cache, hidden behind the target's autotuning), at a
+    # lower CPU priority: it has time, this process's start-up has not
     self_check = ("skipped (--no-compile: no compiled flex step)" if cuda else
                   "skipped (CPU: the dense path is the only one; flex has no CPU backward)")
-    checker, check_log = None, tempfile.TemporaryFile()
+    checker = None
     if cuda and not args.no_compile:
+        check_log, check_out = tempfile.TemporaryFile(), tempfile.NamedTemporaryFile(suffix=".json")
         env = dict(os.environ, **{v: os.path.join(rank_cache, "self-check", d) for v, d in
                                   (("TRITON_CACHE_DIR", "triton"),
                                    ("TORCHINDUCTOR_CACHE_DIR", "inductor"))})
         checker = subprocess.Popen(
             [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "model.py"),
-             "--self-check", json.dumps(vars(dcfg)), str(device)], env=env,
-            stdout=subprocess.PIPE, stderr=check_log, text=True)
+             "--self-check", json.dumps(vars(dcfg)), str(device), check_out.name], env=env,
+            stdout=check_log, stderr=check_log)
+        os.setpriority(os.PRIO_PROCESS, checker.pid, 10)
         self_check = (f"running in a second process (pid {checker.pid}), joined before the first "
                       "update")
         # (--no-compile runs flex eagerly on purpose)
@@ -432,12 +435,11 @@ if runs_drafter:
 
 def finish_self_check():
     global self_check, checker
-    out = checker.communicate()[0].strip().splitlines()
-    if checker.returncode or not out:
+    if checker.wait():
         check_log.seek(0)
         why = (check_log.read().decode(errors="replace").strip().splitlines() or ["?"])[-1]
         sys.exit(f"error: self-check (python model.py --self-check ...) failed to run: {why}")
-    out_err, grad_err, seconds = json.loads(out[-1])
+    out_err, grad_err, seconds = json.load(open(check_out.name))
     self_check = (f"compiled flex_attention == dense attention, {'+'.join(dcfg.windows())} "
                   f"masks: output rel err {out_err:.1e}, max grad (q, k, v) rel err "
                   f"{grad_err:.1e} ({seconds:.0f} s, second process)")
