@@ -268,6 +268,65 @@ if rank == log_rank:
         print0(f"removed {len(stale)} file(s) a stopped run left half-written: {' '.join(stale)}")
 
 # -----------------------------------------------------------------------------
+# configs, and the drafter's start-up self-check: before any update, this torch's compiled flex
+# step must equal the dense step on this run's layout (model.flex_matches_dense). A second process
+# with its own caches runs it while this one starts (~12 s of compiling on a cold cache, hidden
+# behind the data, the target's autotuning and this step's compile), at a lower CPU priority
+
+preset = not os.path.isdir(args.target)
+try:
+    tcfg = TargetConfig.preset(args.target) if preset else TargetConfig.from_hf(args.target)
+except (ValueError, OSError) as e:   # an unknown preset, an unreadable or unsupported config.json
+    sys.exit(f"error: --target {args.target}: {e}")
+try:
+    dcfg = DrafterConfig.from_target(tcfg, n_feat=args.n_feat,
+                                     num_hidden_layers=args.drafter_layers,
+                                     block_size=args.block_size, mask_token_id=args.mask_token_id,
+                                     sliding_window=args.sliding_window)
+except ValueError as e:
+    sys.exit(f"error: --sliding-window {args.sliding_window}: {e}")
+self_check = ("skipped (--no-compile: no compiled flex step)" if cuda else
+              "skipped (CPU: the dense path is the only one; flex has no CPU backward)")
+checker = None
+
+def start_self_check():
+    global checker, check_log, check_out, self_check
+    if not (runs_drafter and cuda and not args.no_compile):
+        return
+    check_log, check_out = tempfile.TemporaryFile(), tempfile.NamedTemporaryFile(suffix=".json")
+    env = dict(os.environ, **{v: os.path.join(rank_cache, "self-check", d) for v, d in
+                              (("TRITON_CACHE_DIR", "triton"),
+                               ("TORCHINDUCTOR_CACHE_DIR", "inductor"))})
+    checker = subprocess.Popen(
+        [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "model.py"),
+         "--self-check", json.dumps(vars(dcfg)), str(device), check_out.name], env=env,
+        stdout=check_log, stderr=check_log)
+    os.setpriority(os.PRIO_PROCESS, checker.pid, 10)
+    self_check = f"in a second process (pid {checker.pid}), joined before the first update"
+
+def finish_self_check():
+    global self_check, checker
+    if checker.wait():
+        check_log.seek(0)
+        why = (check_log.read().decode(errors="replace").strip().splitlines() or ["?"])[-1]
+        sys.exit(f"error: self-check (python model.py --self-check ...) failed to run: {why}")
+    out_err, grad_err, seconds = json.load(open(check_out.name))
+    self_check = (f"compiled flex_attention == dense attention, {'+'.join(dcfg.windows())} "
+                  f"masks: output rel err {out_err:.1e}, max grad (q, k, v) rel err "
+                  f"{grad_err:.1e} ({seconds:.0f} s, second process)")
+    if not (out_err < 1e-3 and grad_err < 1e-3):
+        sys.exit(f"error: self-check failed: {self_check}; flex_attention of torch "
+                 f"{torch.__version__} / triton {triton_version} computes wrong attention "
+                 "on this GPU; use another torch release")
+    print0(f"self-check: {self_check}")
+    if wandb_run:
+        wandb_run.config.update(dict(self_check=self_check), allow_val_change=True)
+    checker = None
+
+if not args.init_drafter:
+    start_self_check()
+
+# -----------------------------------------------------------------------------
 # data: the demo dataset is made on first use (the tiny target's greedy continuations)
 
 data_dir = args.data or os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "demo")
@@ -315,18 +374,6 @@ except ImportError:
 # -----------------------------------------------------------------------------
 # models: target ranks load the layers up to the last tapped one, drafters embed_tokens + lm_head
 
-preset = not os.path.isdir(args.target)
-try:
-    tcfg = TargetConfig.preset(args.target) if preset else TargetConfig.from_hf(args.target)
-except (ValueError, OSError) as e:   # an unknown preset, an unreadable or unsupported config.json
-    sys.exit(f"error: --target {args.target}: {e}")
-try:
-    dcfg = DrafterConfig.from_target(tcfg, n_feat=args.n_feat,
-                                     num_hidden_layers=args.drafter_layers, block_size=block_size,
-                                     mask_token_id=args.mask_token_id,
-                                     sliding_window=args.sliding_window)
-except ValueError as e:
-    sys.exit(f"error: --sliding-window {args.sliding_window}: {e}")
 taps = dcfg.target_layer_ids
 n_feat = len(taps)
 tdtype = torch.bfloat16 if cuda else torch.float32
@@ -411,46 +458,11 @@ if runs_drafter:
     opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
     flex = flex_kernel_options(device) if cuda else None            # flex_attention tiles
     autocast = torch.autocast("cuda", torch.bfloat16) if cuda else nullcontext()
-    # before any update: this torch's compiled flex step must equal the dense step on this run's
-    # layout (model.flex_matches_dense). Run by a second process with its own caches while this one
-    # starts (~12 s of compiling on a cold cache, hidden behind the target's autotuning), at a
-    # lower CPU priority: it has time, this process's start-up has not
-    self_check = ("skipped (--no-compile: no compiled flex step)" if cuda else
-                  "skipped (CPU: the dense path is the only one; flex has no CPU backward)")
-    checker = None
+    if args.init_drafter:
+        start_self_check()      # on the init drafter's own layout
+    # (--no-compile runs flex eagerly on purpose)
     if cuda and not args.no_compile:
-        check_log, check_out = tempfile.TemporaryFile(), tempfile.NamedTemporaryFile(suffix=".json")
-        env = dict(os.environ, **{v: os.path.join(rank_cache, "self-check", d) for v, d in
-                                  (("TRITON_CACHE_DIR", "triton"),
-                                   ("TORCHINDUCTOR_CACHE_DIR", "inductor"))})
-        checker = subprocess.Popen(
-            [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "model.py"),
-             "--self-check", json.dumps(vars(dcfg)), str(device), check_out.name], env=env,
-            stdout=check_log, stderr=check_log)
-        os.setpriority(os.PRIO_PROCESS, checker.pid, 10)
-        self_check = (f"running in a second process (pid {checker.pid}), joined before the first "
-                      "update")
-        # (--no-compile runs flex eagerly on purpose)
         warnings.filterwarnings("error", message=".*flex_attention called without torch.compile.*")
-
-def finish_self_check():
-    global self_check, checker
-    if checker.wait():
-        check_log.seek(0)
-        why = (check_log.read().decode(errors="replace").strip().splitlines() or ["?"])[-1]
-        sys.exit(f"error: self-check (python model.py --self-check ...) failed to run: {why}")
-    out_err, grad_err, seconds = json.load(open(check_out.name))
-    self_check = (f"compiled flex_attention == dense attention, {'+'.join(dcfg.windows())} "
-                  f"masks: output rel err {out_err:.1e}, max grad (q, k, v) rel err "
-                  f"{grad_err:.1e} ({seconds:.0f} s, second process)")
-    if not (out_err < 1e-3 and grad_err < 1e-3):
-        sys.exit(f"error: self-check failed: {self_check}; flex_attention of torch "
-                 f"{torch.__version__} / triton {triton_version} computes wrong attention "
-                 "on this GPU; use another torch release")
-    print0(f"self-check: {self_check}")
-    if wandb_run:
-        wandb_run.config.update(dict(self_check=self_check), allow_val_change=True)
-    checker = None
 
 def lr_at(step):
     warm = max(1, round(args.warmup * max_steps))
