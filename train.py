@@ -215,8 +215,8 @@ def sync():
 def launch_bound(what, fn, *a):
     """fn(*a), and whether a CUDA graph would speed it up: when the GPU is done within a quarter of
     the host's queueing time after the host is, the host sets the pace (a small model: the demo's
-    drafter step queues for ~15 ms and the GPU ends 0.1 ms later; a 27B step queues for ~30 ms and
-    runs ~800 ms)."""
+    drafter step queues for ~16 ms and the GPU ends 0.1 ms later; a 27B step runs ~800 ms on the
+    GPU, far longer than it takes to queue)."""
     sync()
     t0 = time.perf_counter()
     out = fn(*a)
