@@ -825,13 +825,13 @@ def update(feats, row):
     return pack_metrics(out, wanted, nonfinite, gnorm), nonfinite
 
 def capture_update(feats, packed, step):
-    """update() as a CUDA graph over input buffers the caller fills (features, packed fields) and
-    a learning rate on the device. Its random anchors stay those of the eager step: a replay reads
-    the RNG seed set just before it (torch's graph-safe Philox state)."""
-    inputs = feats.clone(), packed.clone()
+    """update() as a CUDA graph over input buffers the caller fills: features, packed fields and
+    the learning rate (on the device). Its random anchors stay those of the eager step: a replay
+    reads the RNG seed set just before it (torch's graph-safe Philox state)."""
+    inputs = feats.clone(), packed.clone(), torch.tensor(lr_at(step), device=device)
     for group in opt.param_groups:
         # fused AdamW: the same kernel, a device lr, allowed inside a capture
-        group.update(capturable=True, lr=torch.tensor(lr_at(step), device=device))
+        group.update(capturable=True, lr=inputs[2])
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         outputs = update(inputs[0], unpack_row(inputs[1]))
@@ -971,6 +971,11 @@ log(dict(kind="start", step=start_step, resume=args.resume, processes=world, pai
 
 params = list(drafter.parameters())
 step_graph = None                   # (graph, input buffers, outputs) once update() is captured
+
+def target_shapes():
+    # row shapes the target has run or captured (world size 1, graphs on): a step that adds one is
+    # a one-off for the ETA
+    return feature_graphs and len(feature_graphs.seen) + len(feature_graphs.graphs)
 train_sums = torch.zeros(sum(METRICS.values()), device=device)
 eval_sums = torch.zeros_like(train_sums)
 # non-finite?, epoch, row
@@ -979,7 +984,8 @@ step_marks, n_window = [], 0
 fused_checked = not cuda or args.no_compile
 t_start = t_window = time.perf_counter()
 # the ETA: plain steps at their mean time so far, plus the evals and saves still to come at their
-# last cost; one-offs (the compiling first step, the profiled step, evals, saves) are timed apart
+# last cost; one-offs (the compiling first step, the profiled step, the one timed for CUDA graphs,
+# those whose row shape the target had not yet captured, evals, saves) are timed apart
 oneoff_s, oneoff_steps, eval_times, save_times = 0.0, 0, [], []
 
 for step, kind, r in schedule(start_step):
@@ -1018,6 +1024,7 @@ for step, kind, r in schedule(start_step):
     elif kind == "train":
         t_host = time.perf_counter()
         t0 = mark()
+        known = target_shapes()
         feats, packed = next_row("train", None)
         row = unpack_row(packed)
         t1 = mark()
@@ -1037,8 +1044,7 @@ for step, kind, r in schedule(start_step):
         timed = not step_graph and step == start_step + 2 and graphs_wanted and n_pairs == 1
         if step_graph:
             graph, inputs, outputs = step_graph
-            inputs[0].copy_(feats), inputs[1].copy_(packed)
-            opt.param_groups[0]["lr"].fill_(lr_at(step))
+            inputs[0].copy_(feats), inputs[1].copy_(packed), inputs[2].fill_(lr_at(step))
             graph.replay()
         else:
             for group_ in opt.param_groups:
@@ -1069,7 +1075,7 @@ for step, kind, r in schedule(start_step):
             print0(f"step {step}: fused flex_attention backward verified "
                    f"(profiler saw {', '.join(kernels)})")
             fused_checked = True
-        if step == start_step or prof or timed:
+        if step == start_step or prof or timed or target_shapes() != known:
             sync()
             oneoff_s += time.perf_counter() - t_host
             oneoff_steps += 1
