@@ -47,7 +47,7 @@ from data import DataError, Packer, open_dataset, write_dataset
 from model import (FULL, SLIDING, Drafter, DrafterConfig, anchor_blocks, anchor_mask_mod, block_lists,
                    config_from_json, default_target_layer_ids, drafter_rope, flex_matches_dense, row_attention,
                    sample_anchors)
-from target import (MOE_FIELDS, MoE, Target, TargetConfig, _chunk_indices, choose_split, dequantize_fp8,
+from target import (MOE_FIELDS, Docs, MoE, Target, TargetConfig, _chunk_indices, choose_split, dequantize_fp8,
                     expert_linear, positions_from_cu, rope_cos_sin, rope_inv_freq, torch_chunk_gated_delta_rule)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -691,7 +691,7 @@ def test_features_tap_layer_outputs():
     h, outs = t.embed_tokens(ids), []
     with torch.no_grad():
         for layer in t.layers:
-            h = layer(h, rope, cu, cu.tolist())
+            h = layer(h, rope, Docs.of(cu, h.device))
             outs.append(h)
     for taps in ([0, 3, 5], [5, 1], [1, 3, 5]):
         f = t.features(ids, cu, taps)
