@@ -256,9 +256,10 @@ class FeatureGraphs:
     """target.features(ids, cu_seqlens, layer_ids) replayed from CUDA graphs. A small target's
     forward is launch-bound: the demo's (6 layers, 64 wide) spends 13-20 ms of host time queueing
     its kernels through fla's Python wrappers on an H200 host, and the GPU is done 0.1 ms after;
-    a replay queues them all at once. The kernels' grids depend on a row only through its document count and fla's
-    64-token chunk count, so there is one graph per such shape; every value (tokens, boundaries,
-    positions, chunk list) is copied into the graph's input buffers before a replay. A shape runs
+    a replay queues them all at once. The kernels' grids depend on a row only through its document
+    count and fla's 64-token chunk count, so there is one graph per such shape; every value
+    (tokens, boundaries, positions, chunk list) is copied into the graph's input buffers before a
+    replay. A shape runs
     eagerly the first time it comes, captured the second (nothing may sync while capturing: fla's
     autotuner must have its kernels tuned). Flash attention gets the row length as the longest
     document: a bigger grid, the same result. The graphs share one memory pool: a replay's output
@@ -281,7 +282,8 @@ class FeatureGraphs:
             inputs = new(T), docs, new(T)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                out = self.target.features(inputs[0], None, self.layer_ids, docs=(docs, inputs[2]))
+                out = self.target.features(inputs[0], None, self.layer_ids,
+                                           prepared=(docs, inputs[2]))
             self.pool = graph.pool()
             self.graphs[key] = graph, inputs, out
         graph, (ids_in, docs, pos), out = self.graphs[key]
@@ -891,17 +893,17 @@ class Target(nn.Module):
         model.load_state_dict(state, assign=True)
         return model
 
-    def _run(self, ids, cu_seqlens, stop, h=None, docs=None):
+    def _run(self, ids, cu_seqlens, stop, h=None, prepared=None):
         # ids [T] long (device), cu_seqlens [n+1] long on the CPU: boundaries of the packed
-        # documents; or docs = (Docs, positions [T]) made already (FeatureGraphs' input buffers).
+        # documents; or prepared = (Docs, positions [T]) (FeatureGraphs' input buffers).
         # From the embedding of ids, or from h [T, hidden]: the hidden state entering layer
         # self.first (a split pair's drafter rank)
         c = self.config
         if h is None:
             assert self.first == 0, f"layers {self.first}.. start from a hidden state: pass h"
             h = self.embed_tokens(ids)
-        docs, pos = docs or (Docs.of(cu_seqlens, h.device),
-                             upload(positions_from_cu(cu_seqlens), h.device))
+        docs, pos = prepared or (Docs.of(cu_seqlens, h.device),
+                                 upload(positions_from_cu(cu_seqlens), h.device))
         rope = rope_cos_sin(pos, int(c.head_dim * c.partial_rotary_factor), c.rope_theta,
                             c.rope_scaling, c.max_position_embeddings)
         for i in range(self.first, stop):
@@ -909,7 +911,7 @@ class Target(nn.Module):
             yield i, h
 
     @torch.inference_mode()
-    def features(self, ids, cu_seqlens, layer_ids, stop=None, h=None, docs=None):
+    def features(self, ids, cu_seqlens, layer_ids, stop=None, h=None, prepared=None):
         """Concatenated outputs of decoder layers `layer_ids` (HF hidden_states[i+1]) ->
         [T, len * hidden]. Stops computing after the last requested layer.
         A pair split at layer K (train.py --split-layer) computes them in two parts: stop=K runs
@@ -920,7 +922,7 @@ class Target(nn.Module):
         assert self.first < end <= self.n_layers, (f"layers {self.first}..{end - 1} were not "
                                                     f"built (n_layers={self.n_layers})")
         taps = {}
-        for i, out in self._run(ids, cu_seqlens, end, h, docs):
+        for i, out in self._run(ids, cu_seqlens, end, h, prepared):
             if i in layer_ids:
                 taps[i] = out
         feats = [taps[i] for i in layer_ids if i in taps]

@@ -763,8 +763,8 @@ def next_row(kind, r):
         feats, packed = load_row(kind, r)
         if kind == "train":
             local_forwards.append((t0, mark()))
-        # a clone: autograd cannot save inference tensors
-        return feats[0].clone(), packed
+        # autograd cannot save inference tensors (FeatureGraphs' replays return a copy already)
+        return feats[0].clone() if feats[0].is_inference() else feats[0], packed
     # the receive is posted only now, queued behind the previous step: a receive posted earlier
     # keeps an NCCL kernel resident on this GPU's SMs through the whole step; the target queued its
     # send long ago
@@ -883,7 +883,8 @@ def save_checkpoint(step):
         # anchors drawn from (seed, step, pair))
         with open(tmp, "wb") as f:
             torch.save(dict(drafter=drafter.state_dict(), optimizer=opt.state_dict(), step=step,
-                            args=vars(args), drafter_config=vars(dcfg), run=run, processes=world), f)
+                            args=vars(args), drafter_config=vars(dcfg), run=run,
+                            processes=world), f)
         # atomic: a crash mid-write leaves the previous checkpoint intact
         os.replace(tmp, ckpt_path)
     except (OSError, RuntimeError, SafetensorError) as e:
@@ -1041,7 +1042,7 @@ for step, kind, r in schedule(start_step):
             prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA],
                                           acc_events=True)
             prof.__enter__()
-        timed = not step_graph and step == start_step + 2 and graphs_wanted and n_pairs == 1
+        timed = step == start_step + 2 and graphs_wanted and n_pairs == 1
         if step_graph:
             graph, inputs, outputs = step_graph
             inputs[0].copy_(feats), inputs[1].copy_(packed), inputs[2].fill_(lr_at(step))
