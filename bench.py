@@ -30,7 +30,7 @@ GPU checks and measurements (needs CUDA and fla-core; not part of the CPU test s
                                              # step and busy shares, unsplit and split
   python bench.py pair --mix long --split-layer 0   # (or auto, the default) unsplit vs split pair
   python bench.py prepare --tokenizer /ckpt/Qwen3.6-27B --mb 1024 --prep-workers 1,16
-      # CPU only: data.py prepare on 1 GB of chat JSONL (written once to --out: slices of the
+      # CPU only: prepare.py on 1 GB of chat JSONL (written once to --out: slices of the
       # installed torch's .py files, thinking + answer per line): tokens/s per --workers value
   python bench.py load
       # writes (once, to --out/fp8-27b) a block-FP8 copy of random qwen3.6-27b tensors in the
@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 import target as target_module
 from target import Target, TargetConfig, choose_split, positions_from_cu
-from model import Drafter, DrafterConfig, sample_anchors, block_lists
+from model import Drafter, DrafterConfig, drafter_loss, drafter_step, sample_anchors
 from model import flex_backward_kernels, flex_kernel_options, flex_matches_dense
 
 p = argparse.ArgumentParser(description=__doc__,
@@ -94,7 +94,7 @@ p.add_argument("--tokenizer", default=None,
                "/ckpt/Qwen3.6-27B")
 p.add_argument("--mb", type=int, default=1024, help="prepare mode: MB of chat JSONL to prepare")
 p.add_argument("--prep-workers", default="1,16",
-               help="prepare mode: data.py prepare --workers values to time, comma-separated")
+               help="prepare mode: prepare.py --workers values to time, comma-separated")
 p.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "dflash-bench"),
                help="scratch dir")
 # steps mode: what follows -- is train.py's command line
@@ -354,14 +354,12 @@ elif args.what in ("drafter", "sweep"):
         lm = (torch.rand(S, device=dev) < 0.7).long()
         feats = torch.randn(S, len(dcfg.target_layer_ids) * tcfg.hidden_size, device=dev,
                             dtype=torch.bfloat16)
-        def graph(anchors, keep, blocks):      # as train.py's drafter_step
-            with torch.autocast("cuda", torch.bfloat16):
-                return d(feats, tokens, lm, doc, pos, anchors, keep, tgt.embed_tokens.weight,
-                         tgt.lm_head.weight, 7.0, kernel_options, blocks)
-        graph = torch.compile(graph, fullgraph=True, dynamic=False)
+        row = dict(tokens=tokens, loss_mask=lm, doc=doc, pos=pos)
+        loss = torch.compile(drafter_loss, fullgraph=True, dynamic=False)  # as train.py compiles it
         def step():
-            anchors, keep, _ = sample_anchors(lm, doc, S, N)     # N per row, from any document
-            out = graph(anchors, keep, block_lists(dcfg, anchors, keep, doc, S))
+            # N anchors per row, from any document
+            out, _ = drafter_step(d, feats, row, S, N, tgt.embed_tokens.weight, tgt.lm_head.weight,
+                                  7.0, kernel_options, loss)
             out["loss"].backward()
             torch.nn.utils.clip_grad_norm_(d.parameters(), 1.0)
             opt.step()
@@ -573,20 +571,16 @@ elif args.what == "split":
     d = Drafter(dcfg).to(dev)
     flex = flex_kernel_options(dev)
     feats = torch.zeros(S, len(taps) * tcfg.hidden_size, device=dev, dtype=torch.bfloat16)
-    def graph(tokens, lm, doc, pos, anchors, keep, blocks):    # as train.py's drafter_step
-        with torch.autocast("cuda", torch.bfloat16):
-            return d(feats, tokens, lm, doc, pos, anchors, keep, tgt.embed_tokens.weight,
-                     tgt.lm_head.weight, 7.0, flex, blocks)
-    graph = torch.compile(graph, fullgraph=True, dynamic=False)
+    loss = torch.compile(drafter_loss, fullgraph=True, dynamic=False)      # as train.py compiles it
     step_ms = []
     for i, r in enumerate([rows[0], *rows]):                   # the first compiles
         if i == 1:      # as train.py: the peak of a step, not of compiling (autotuning) it
             torch.cuda.reset_peak_memory_stats()
-        tokens, lm, doc, pos = (on_dev(x) for x in (r.tokens, r.loss_mask, r.doc, r.pos))
+        row = {k: on_dev(getattr(r, k)) for k in ("tokens", "loss_mask", "doc", "pos")}
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        anchors, keep, _ = sample_anchors(lm, doc, args.anchors, N)
-        out = graph(tokens, lm, doc, pos, anchors, keep, block_lists(dcfg, anchors, keep, doc, S))
+        out, _ = drafter_step(d, feats, row, args.anchors, N, tgt.embed_tokens.weight,
+                              tgt.lm_head.weight, 7.0, flex, loss)
         out["loss"].backward()
         torch.nn.utils.clip_grad_norm_(d.parameters(), 1.0)
         b.record()
@@ -772,7 +766,7 @@ elif args.what == "prepare":
                 size += len(line)
         os.rename(src + ".tmp", src)
     mb = os.path.getsize(src) / 2**20
-    print(f"data.py prepare, {mb:.0f} MB of chat JSONL ({src}), "
+    print(f"prepare.py, {mb:.0f} MB of chat JSONL ({src}), "
           f"--tokenizer {args.tokenizer} | {os.cpu_count()} CPUs | {time.strftime('%Y-%m-%d')}")
     # M tokens per CPU-second: all processes' CPU time, which a loaded machine does not inflate
     print("| --workers | seconds | tokens | M tokens/s | M tokens per CPU-s | MB/s of JSONL | "
@@ -784,7 +778,7 @@ elif args.what == "prepare":
         cpu0 = ru.ru_utime + ru.ru_stime
         t0 = time.perf_counter()
         subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                     "data.py"), "prepare", "--input", src,
+                                                     "prepare.py"), "--input", src,
                         "--out", out, "--tokenizer", args.tokenizer, "--workers", str(w),
                         "--force"], check=True, stdout=subprocess.DEVNULL)
         dt = time.perf_counter() - t0

@@ -10,11 +10,14 @@ Speculative Decoding", arXiv:2602.06036), in reading order:
      block [anchor, mask x (B-1)] whose keys/values also see the target's fused hidden states; its
      training forward, the serving-side `propose`, and FLOPs
   6) export: save/load in the z-lab format that SGLang, vLLM and z-lab/dflash load
+  7) the drafter step: one packed row's anchors, forward and loss (train.py trains and evaluates
+     with it, bench.py times it)
 Notation: S context tokens in a packed row, N anchors (draft blocks) per row, B tokens per block.
 """
 import json
 import os
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -610,6 +613,35 @@ def config_from_json(cfg):
         if not ok:
             raise ValueError(msg)
     return DrafterConfig(**kw)
+
+# -----------------------------------------------------------------------------
+# 7) the drafter step
+
+def drafter_loss(drafter, feats, row, anchors, keep, blocks, embed, head, gamma, flex):
+    """Drafter.forward on one packed row, under bf16 autocast on GPU: the graph train.py compiles
+    (one graph, static shapes). row: {"tokens", "loss_mask", "doc", "pos"} [S] on the device;
+    anchors, keep, blocks as drafter_step draws them. Evals run it too, with autograd recording and
+    no backward (their saved activations are freed with the output): a no_grad eval would be a
+    second graph, compiled once more."""
+    with torch.autocast("cuda", torch.bfloat16) if feats.is_cuda else nullcontext():
+        return drafter(feats, tokens=row["tokens"], loss_mask=row["loss_mask"], doc=row["doc"],
+                       pos=row["pos"], anchors=anchors, keep=keep, embed=embed, head=head,
+                       gamma=gamma, flex=flex, blocks=blocks)
+
+def drafter_step(drafter, feats, row, per_doc, capacity, embed, head, gamma=7.0, flex=None,
+                 loss=drafter_loss):
+    """The drafter's part of a training step on one packed row, before its backward: the row's
+    anchors (sample_anchors: up to per_doc per document, capacity per row) and, for flex, their
+    BlockMask lists, made on the device just before the graph (a few eager kernels, no host sync)
+    and entering it as inputs, as inductor's flex lowering rejects mask tensors computed inside
+    the graph; then loss(...): drafter_loss, or train.py's compiled drafter_loss. Returns
+    (Drafter.forward's dict: the loss and the sums behind its metrics, the anchors the row wanted
+    before the capacity cut)."""
+    anchors, keep, wanted = sample_anchors(row["loss_mask"], row["doc"], per_doc, capacity)
+    blocks = None
+    if flex is not None:
+        blocks = block_lists(drafter.config, anchors, keep, row["doc"], row["doc"].shape[0])
+    return loss(drafter, feats, row, anchors, keep, blocks, embed, head, gamma, flex), wanted
 
 # -----------------------------------------------------------------------------
 # the checks that flex_attention really computes THE mask, with the fused backward

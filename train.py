@@ -11,6 +11,7 @@ target -> drafter.
 import argparse
 import errno
 import fcntl
+import functools
 import getpass
 import glob
 import json
@@ -23,7 +24,6 @@ import sys
 import tempfile
 import time
 import warnings
-from contextlib import nullcontext
 from datetime import timedelta
 
 t_launch = time.perf_counter()      # the log's elapsed time counts from here
@@ -165,7 +165,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from target import FeatureGraphs, Target, TargetConfig, choose_split, upload
-from model import Drafter, DrafterConfig, sample_anchors, block_lists
+from model import Drafter, DrafterConfig, drafter_loss, drafter_step, sample_anchors
 from model import flex_backward_kernels, flex_kernel_options
 from data import DataError, open_dataset, Packer, make_demo
 from safetensors import SafetensorError
@@ -457,7 +457,6 @@ if runs_drafter:
     # the drafter's parameters are fp32 (AdamW's master weights); its step computes in bf16 on GPU
     opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
     flex = flex_kernel_options(device) if cuda else None            # flex_attention tiles
-    autocast = torch.autocast("cuda", torch.bfloat16) if cuda else nullcontext()
     if args.init_drafter:
         start_self_check()      # on the init drafter's own layout
     # (--no-compile runs flex eagerly on purpose)
@@ -782,36 +781,21 @@ def next_row(kind, r):
             local_forwards.append((t0, mark()))
     return recv_buf[0], recv_buf[1]
 
-def drafter_step(feats, row, anchors, keep, blocks):
-    # the drafter's forward and loss on one row, compiled as one graph. Evals run it too, with
-    # autograd recording and no backward (their saved activations are freed with the output): a
-    # no_grad eval would be a second graph, compiled once more (~12 s on a cold cache)
-    with autocast:
-        return drafter(feats, tokens=row["tokens"], loss_mask=row["loss_mask"], doc=row["doc"],
-                       pos=row["pos"], anchors=anchors, keep=keep, embed=embed, head=head,
-                       gamma=args.gamma, flex=flex, blocks=blocks)
-
-train_step = drafter_step
+# the drafter step (model.drafter_step): anchors, then forward and loss compiled as one graph
+loss_fn = drafter_loss
 if not args.no_compile:
     # a recompile after warm-up, or a hit recompile limit, would silently run flex_attention's dense
     # backward (~17 GB per layer at 512 anchors / 8192 budget): both are errors instead
     torch._dynamo.config.fail_on_recompile_limit_hit = True
-    train_step = torch.compile(drafter_step, fullgraph=True, dynamic=False)
-
-def draw_anchors(row):
-    # anchors and the BlockMask lists are made on device just before the graph (a few eager kernels,
-    # no host sync) and enter it as inputs: inductor's flex lowering rejects mask tensors computed
-    # inside the graph
-    anchors, keep, wanted = sample_anchors(row["loss_mask"], row["doc"], per_doc, row_anchors)
-    blocks = block_lists(dcfg, anchors, keep, row["doc"], budget) if cuda else None
-    return anchors, keep, blocks, wanted
+    loss_fn = torch.compile(drafter_loss, fullgraph=True, dynamic=False)
+step_fn = functools.partial(drafter_step, drafter, per_doc=per_doc, capacity=row_anchors,
+                            embed=embed, head=head, gamma=args.gamma, flex=flex, loss=loss_fn)
 
 def update(feats, row):
     """One optimizer step on one row: anchors, the compiled forward and backward, clip, AdamW.
     Nothing in it syncs with the host, so it can be captured as a CUDA graph. Returns the
     window's metrics of the step and its non-finite flag (then AdamW skipped the update)."""
-    anchors, keep, blocks, wanted = draw_anchors(row)
-    out = train_step(feats, row, anchors, keep, blocks)
+    out, wanted = step_fn(feats, row)
     out["loss"].backward()
     if n_pairs > 1:
         for p in params:
@@ -851,7 +835,7 @@ if split:
             recv_buf[1].copy_(pack_row(row))
             t0 = mark()
             fields = unpack_row(recv_buf[1])
-            out = train_step(recv_buf[0], fields, *draw_anchors(fields)[:3])
+            out = step_fn(recv_buf[0], fields)[0]
             out["loss"].backward()
             torch.nn.utils.clip_grad_norm_(drafter.parameters(), args.grad_clip)
             marks.append((t0, mark()))
@@ -1003,8 +987,7 @@ for step, kind, r in schedule(start_step):
         feats, packed = next_row("eval", r)
         row = unpack_row(packed)
         torch.manual_seed(args.seed + 7919 * r)      # the same held-out anchors at every eval
-        anchors, keep, blocks, wanted = draw_anchors(row)
-        out = train_step(feats, row, anchors, keep, blocks)
+        out, wanted = step_fn(feats, row)
         zero = torch.zeros((), device=device)
         eval_sums += pack_metrics(out, wanted, zero, zero)
         del out                                     # and the activations autograd saved
