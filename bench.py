@@ -193,6 +193,18 @@ if args.what == "check":
               f"{['%.2e' % e for e in errs]}")
         assert max(errs) < 3e-2, f"{name}: the GPU path disagrees with the torch path"
     gpu_vs_cpu("fla (bf16)", cpu, gpu)
+    # fla's kernels compiled every config at once (target.compile_configs_at_once): each Autotuner
+    # this forward tuned is one of fla's, wrapped on the instance; triton's class is untouched
+    import gc
+    from triton.runtime.autotuner import Autotuner
+    tuned = [a for a in gc.get_objects() if isinstance(a, Autotuner) and a.cache]
+    bare = [getattr(a, "base_fn", a.fn).__name__ for a in tuned
+            if not getattr(a, "configs_at_once", False)]
+    print(f"autotuned kernels: {len(tuned)} tuned by the forward, of "
+          f"{len(target_module.fla_autotuners())} in fla's modules; not compiled at once: "
+          f"{bare or 'none'}; Autotuner.run is {Autotuner.run.__qualname__}")
+    assert tuned and not bare and Autotuner.run.__qualname__ == "Autotuner.run", (
+        "an autotuned kernel of the target's forward did not compile its configs at once")
     # the varlen chunk list the target hands fla (made on the host) is fla's own
     from fla.ops.utils import prepare_chunk_indices
     assert torch.equal(target_module._chunk_indices(tuple(cu.tolist()), dev),

@@ -219,38 +219,65 @@ def _fla():
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     from fla.modules.causal_conv1d import causal_conv1d
     from fla.modules.norm.fused_norm_gate import rms_norm_gated
-    _compile_autotune_configs_at_once()
+    compile_configs_at_once(fla_autotuners())
     return chunk_gated_delta_rule, causal_conv1d, rms_norm_gated
 
-def _compile_autotune_configs_at_once():
-    """Triton's autotuner compiles each candidate config of a kernel only as it benchmarks it, one
-    after the other: fla's GDN forward has 8 autotuned kernels of up to 36 configs, ~40 s before
-    the first forward on a cold cache. Here every config of a kernel is compiled first, together
-    on a thread pool (triton's AsyncCompileMode, triton >= 3.4), then the autotuner benchmarks
-    them as before and picks the same way. (A child process forked per config, past the GIL that
-    triton's compiler holds, was slower on an H200 host: 42 s vs 27 s for the demo's target.)"""
-    from concurrent.futures import ThreadPoolExecutor
+def fla_autotuners():
+    """The autotuned Triton kernels of fla, the target's GPU kernels: every Autotuner held at
+    module level by an fla module imported so far (those the functions _fla imports pull in),
+    also behind triton.heuristics (Heuristics -> Autotuner -> JITFunction, each .fn the next)."""
+    import sys
     from triton.runtime.autotuner import Autotuner
+    from triton.runtime.jit import KernelInterface
+    found = {}
+    for name, module in list(sys.modules.items()):
+        if module is None or name.split(".")[0] != "fla":
+            continue
+        for kernel in list(vars(module).values()):
+            while isinstance(kernel, KernelInterface):
+                if isinstance(kernel, Autotuner):
+                    found[id(kernel)] = kernel
+                kernel = getattr(kernel, "fn", None)
+    return list(found.values())
+
+def compile_configs_at_once(autotuners):
+    """Triton's autotuner compiles each candidate config of a kernel only as it benchmarks it, one
+    after the other, which makes fla's cold start long. For each of these Autotuner instances (not
+    the class: no other kernel in the process changes), a first run with a new key compiles every
+    config first, together on a thread pool (triton's AsyncCompileMode, triton >= 3.4); then the
+    autotuner benchmarks them as before and picks the same way. (A child process forked per config,
+    past the GIL that triton's compiler holds, was slower.) Returns how many it wraps."""
+    from concurrent.futures import ThreadPoolExecutor
     try:
         from triton.runtime._async_compile import AsyncCompileMode
     except ImportError:                   # an older triton: one config after the other
-        return
+        return 0
     pool = ThreadPoolExecutor(min(32, os.cpu_count() or 1))
-    run = Autotuner.run
 
-    def run_all_compiled(self, *args, **kwargs):
-        # the autotuner's own key (triton.runtime.autotuner.Autotuner.run): the key args' values,
-        # then the dtype of every tensor argument
-        named = {k: v for k, v in {**dict(zip(self.arg_names, args)), **kwargs}.items()
-                 if k in self.arg_names}
-        key = tuple([named[k] for k in self.keys if k in named]
-                    + [str(v.dtype) for v in named.values() if hasattr(v, "dtype")])
-        if len(self.configs) > 1 and key not in self.cache:
-            # a config that fails to compile is left to the benchmark, which rules it out
-            with AsyncCompileMode(pool, ignore_errors=True):
-                self.warmup(*args, **{k: v for k, v in kwargs.items() if k != "warmup"})
-        return run(self, *args, **kwargs)
-    Autotuner.run = run_all_compiled
+    def wrap(tuner):
+        run = tuner.run                   # the class's Autotuner.run, bound to this instance
+
+        def run_all_compiled(*args, **kwargs):
+            # the autotuner's own key (triton.runtime.autotuner.Autotuner.run): the key args'
+            # values, then the dtype of every tensor argument
+            named = {k: v for k, v in {**dict(zip(tuner.arg_names, args)), **kwargs}.items()
+                     if k in tuner.arg_names}
+            key = tuple([named[k] for k in tuner.keys if k in named]
+                        + [str(v.dtype) for v in named.values() if hasattr(v, "dtype")])
+            if len(tuner.configs) > 1 and key not in tuner.cache:
+                # a config that fails to compile is left to the benchmark, which rules it out
+                with AsyncCompileMode(pool, ignore_errors=True):
+                    tuner.warmup(*args, **{k: v for k, v in kwargs.items() if k != "warmup"})
+            return run(*args, **kwargs)
+        # an instance attribute: kernel[grid](...) and an outer Heuristics look up .run on the
+        # instance, so they call this; Autotuner.run itself is untouched
+        tuner.run = run_all_compiled
+        tuner.configs_at_once = True
+
+    todo = [t for t in autotuners if not getattr(t, "configs_at_once", False)]
+    for tuner in todo:
+        wrap(tuner)
+    return len(todo)
 
 class FeatureGraphs:
     """target.features(ids, cu_seqlens, layer_ids) replayed from CUDA graphs. A small target's
