@@ -16,6 +16,10 @@ being the target features of every position before that token; the target verifi
 one forward; the longest prefix of proposals equal to the target's argmax is accepted, plus the
 target's own next token (the bonus).
 tau = mean over cycles of (accepted + 1), the accept length SGLang and z-lab's benchmark print.
+Prompts: the val split of --data (the tokens before each sample's first supervised one), or
+--prompts JSONL (messages, ShareGPT conversations or {"prompt": str}; a final assistant message
+is dropped) rendered by --tokenizer's chat template as the engine renders them, or random ids.
+--eos defaults to the checkpoint's generation_config.json, else config.json; none for a preset.
 No KV cache: every target forward re-runs the whole sequence (prefix + block), and the greedy
 decode does the same per token. Short and obviously right; the cost per forward grows with the
 context (numbers in README).
@@ -30,7 +34,8 @@ import torch
 
 from target import Target, TargetConfig
 from model import Drafter, DrafterConfig
-from data import ArgParser, Chat, DataError, _Bad, _kwargs_arg, _load, number, open_dataset
+from data import ArgParser, Bad, DataError, kwargs_arg, load_line, number, open_dataset
+from prepare import Chat
 
 # -----------------------------------------------------------------------------
 # the two decodes (one prompt at a time, ids on the target's device)
@@ -163,7 +168,7 @@ def dataset_prompts(data_dir, n, log=print):
     val = os.path.join(data_dir, "val")
     if not os.path.exists(os.path.join(val, "meta.json")):
         raise SystemExit(f"error: --data {data_dir} has no val/ split; "
-                         "prepare it with `data.py prepare --val N` "
+                         "prepare it with `prepare.py --val N` "
                          "or pass --prompts chats.jsonl --tokenizer DIR")
     ds, prompts = open_dataset(val), []
     for i in range(len(ds)):
@@ -179,9 +184,9 @@ def dataset_prompts(data_dir, n, log=print):
 
 def chat_prompts(path, tokenizer, n, kwargs=None):
     """The first n JSONL prompts (messages, ShareGPT conversations or a prompt string, as
-    `data.py prepare` reads them) as the serving engine feeds them to the target: rendered by the
+    prepare.py reads them) as the serving engine feeds them to the target: rendered by the
     checkpoint's chat template with add_generation_prompt=True and the same template kwargs, a
-    final assistant message (a reference answer) dropped (data.Chat.prompt). Raises DataError."""
+    final assistant message (a reference answer) dropped (prepare.Chat.prompt). Raises DataError."""
     chat, prompts = Chat(tokenizer, kwargs, cmd="generate.py --prompts"), []
     with open(path) as f:
         for lineno, line in enumerate(f, 1):
@@ -189,8 +194,8 @@ def chat_prompts(path, tokenizer, n, kwargs=None):
                 break
             try:
                 if line.strip():
-                    prompts.append(torch.from_numpy(chat.prompt(_load(line))))
-            except _Bad as e:
+                    prompts.append(torch.from_numpy(chat.prompt(load_line(line))))
+            except Bad as e:
                 raise DataError(f"{path}:{lineno}: {e.args[0]}: {e.args[1]}")
     return prompts
 
@@ -212,27 +217,20 @@ def hf_eos(path):
 def main(argv=None):
     ap = ArgParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="tiny",
-                    help="HF checkpoint dir of a Qwen3.5/3.6 model, "
-                    "or a preset: tiny, qwen3.6-27b, qwen3.5-35b-a3b, qwen3.6-35b-a3b "
-                    "(random weights)")
+                    help="Qwen3.5/3.6 checkpoint dir, or a preset (random weights): tiny, "
+                    "qwen3.6-27b, qwen3.5-35b-a3b, qwen3.6-35b-a3b")
     ap.add_argument("--drafter", required=True,
-                    help="exported drafter dir (train.py's OUT/drafter, z-lab format), or `random` "
-                    "for an untrained drafter of the default geometry (tau before training)")
+                    help="train.py's OUT/drafter, or `random`: untrained, the default geometry")
     ap.add_argument("--data", default=None,
-                    help="prepared dataset dir: prompts from DATA/val (the tokens before each "
-                    "sample's first supervised token); default: the demo data in ./data/demo")
+                    help="prepared dataset dir: prompts from DATA/val; default ./data/demo")
     ap.add_argument("--prompts", default=None,
-                    help="JSONL of prompts instead (messages, ShareGPT conversations or "
-                    "{\"prompt\": str}; a final assistant message is dropped), rendered as the "
-                    "engine renders them; needs --tokenizer")
+                    help="JSONL of chats instead, rendered as the engine does; needs --tokenizer")
     ap.add_argument("--tokenizer", default=None,
                     help="checkpoint dir whose chat template and tokenizer.json render --prompts")
-    ap.add_argument("--chat-template-kwargs", type=_kwargs_arg, default={},
-                    help="JSON object of template variables for --prompts, e.g. "
-                    "'{\"enable_thinking\": false}': the ones you serve with")
+    ap.add_argument("--chat-template-kwargs", type=kwargs_arg, default={},
+                    help="JSON object of template variables for --prompts: those you serve with")
     ap.add_argument("--random-prompts", type=number(int, 0), default=0,
-                    help="instead: this many prompts of uniform random token ids "
-                    "(cost measurements)")
+                    help="instead: this many prompts of uniform random ids (cost measurements)")
     ap.add_argument("--prompt-len", type=number(int, 1), default=1024,
                     help="tokens per random prompt")
     ap.add_argument("--num-prompts", type=number(int, 1), default=8,
@@ -240,8 +238,7 @@ def main(argv=None):
     ap.add_argument("--max-new-tokens", type=number(int, 1), default=256,
                     help="tokens generated per prompt (both decodes)")
     ap.add_argument("--eos", default=None,
-                    help="comma-separated end-of-sequence token ids; default: the "
-                    "checkpoint's generation_config.json/config.json, none for presets")
+                    help="comma-separated end-of-sequence ids; default: the checkpoint's")
     ap.add_argument("--seed", type=number(int, 0), default=0,
                     help="seed of --random-prompts and of --drafter random")
     args = ap.parse_args(argv)

@@ -1,8 +1,8 @@
 """
 CPU tests, each module against an independent reference, seconds each: the target against transformers'
 Qwen3.5 and a per-token delta-rule recurrence, checkpoint loading, the drafter's mask, loss and export
-against brute force and hand-worked cases, data.py's format and packer, the published drafters' layouts
-(sliding windows, RoPE scaling, the z-lab config), generate.py's speculative decoding against greedy.
+against brute force and hand-worked cases, data.py's format and packer, prepare.py and regenerate.py, the published
+drafters' layouts (sliding windows, RoPE scaling, the z-lab config), generate.py's speculative decoding against greedy.
 train.py and generate.py end to end: test_train.py.
 Run: python -m pytest -q test_smoke.py test_train.py
 Nothing here needs a GPU or the network; transformers/tokenizers are test-only dependencies.
@@ -43,6 +43,8 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 import data
 import generate
 import model
+import prepare
+import regenerate
 from data import DataError, Packer, open_dataset, write_dataset
 from model import (FULL, SLIDING, Drafter, DrafterConfig, anchor_blocks, anchor_mask_mod, block_lists,
                    config_from_json, default_target_layer_ids, drafter_rope, flex_matches_dense, row_attention,
@@ -1324,11 +1326,16 @@ def test_qwen36_27b_drafter_geometry():
 
 
 # ==================================================================================================
-# data.py: format, prepare, packer, bad input, flat memory, demo
+# data.py, prepare.py, regenerate.py: format, prepare, packer, bad input, flat memory, demo
 
-def cli(*args):
-    """python data.py ARGS in a fresh process."""
-    return subprocess.run([sys.executable, os.path.join(HERE, "data.py"), *map(str, args)],
+COMMANDS = {"prepare": ["prepare.py"], "stats": ["prepare.py", "stats"], "regenerate": ["regenerate.py"]}
+
+
+def cli(cmd, *args):
+    """The command `cmd` (prepare: python prepare.py ARGS, stats: python prepare.py stats ARGS, regenerate:
+    python regenerate.py ARGS) in a fresh process."""
+    script, *sub = COMMANDS[cmd]
+    return subprocess.run([sys.executable, os.path.join(HERE, script), *sub, *map(str, args)],
                           capture_output=True, text=True)
 
 
@@ -1532,7 +1539,7 @@ def test_chat_render_and_mask_match_transformers(chat_dirs, tpl):
     supervised."""
     d, hf = chat_dirs[tpl]
     for name, msgs, tools, kw, want in chat_cases(tpl):
-        chat = data.Chat(d, kw)
+        chat = prepare.Chat(d, kw)
         got, n, notes = chat.samples({"messages": msgs, "tools": tools})
         assert len(got) == len(want) and not notes, name
         for (ids, mask), (end, turns) in zip(got, want):
@@ -1546,14 +1553,14 @@ def test_chat_render_and_mask_match_transformers(chat_dirs, tpl):
         assert n["trained"] == n["assistant_turns"] == sum(len(t) for _, t in want) and n["straddle"] == 0
         assert n["own_sample"] == len(want) - 1 and n["not_as_served"] == n["not_intact"] == 0
     # --turns last: the whole conversation, its last answer supervised
-    (ids, mask), = data.Chat(d).samples({"messages": CONV_THINKING}, turns="last")[0]
+    (ids, mask), = prepare.Chat(d).samples({"messages": CONV_THINKING}, turns="last")[0]
     assert ids.tolist() == hf(hf_render(hf, CONV_THINKING, None, {}), add_special_tokens=False).input_ids
     (a, b), = runs_of(mask)
     assert b == len(ids) - 1 and hf.decode(ids[a:b].tolist()).endswith("It is four.<|im_end|>")
 
 
 def test_prepare_chat_roundtrip(chat_dirs, tmp_path):
-    """data.py prepare --tokenizer DIR: chat lines of every input form (messages, ShareGPT
+    """prepare.py --tokenizer DIR: chat lines of every input form (messages, ShareGPT
     conversations) become the samples Chat makes (checked against transformers above), with
     --val, the vocab bound of the tokenizer, and the counts and template recorded in meta.json."""
     d, hf = chat_dirs[QWEN36]
@@ -1565,7 +1572,7 @@ def test_prepare_chat_roundtrip(chat_dirs, tmp_path):
             "--workers", 2)
     assert r.returncode == 0, r.stderr + r.stdout
     tr, va = open_dataset(tmp_path / "d"), open_dataset(tmp_path / "d" / "val")
-    chat = data.Chat(d)
+    chat = prepare.Chat(d)
     want = [s for o in lines for s in chat.samples(o)[0]]
     got = [tr.sample(k) for k in range(len(tr))] + [va.sample(k) for k in range(len(va))]
     assert len(got) == len(want) == 5 and len(va) == 1  # CONV_THINKING makes 2, the last line is val
@@ -1609,11 +1616,11 @@ def test_chat_setup_errors(tmp_path):
             "--chat-template-kwargs", "[1]")
     assert r.returncode == 2 and "--chat-template-kwargs" in r.stderr
     for pkg in ("jinja2", "tokenizers"):  # not installed: one line saying how to install it
-        code = (f"import sys; sys.modules[{pkg!r}] = None; sys.path.insert(0, {HERE!r}); import data; "
-                f"data.main(['prepare', '--input', {str(tmp_path / 'chat.jsonl')!r}, '--out', "
+        code = (f"import sys; sys.modules[{pkg!r}] = None; sys.path.insert(0, {HERE!r}); import prepare; "
+                f"prepare.main(['--input', {str(tmp_path / 'chat.jsonl')!r}, '--out', "
                 f"{str(tmp_path / 'd')!r}, '--tokenizer', {str(d)!r}])")
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-        assert r.returncode == 1 and r.stderr.strip() == (f"error: data.py prepare --tokenizer needs the {pkg} "
+        assert r.returncode == 1 and r.stderr.strip() == (f"error: prepare.py --tokenizer needs the {pkg} "
                                                           f"package: pip install {pkg}"), r.stderr
 
 
@@ -1663,7 +1670,7 @@ def test_chat_bad_lines(tmp_path):
 
 
 def test_chat_stats(chat_dirs, tmp_path):
-    """data.py stats: counts, percentiles, what --budget cuts (checked by hand), and a sample
+    """prepare.py stats: counts, percentiles, what --budget cuts (checked by hand), and a sample
     printed back with the supervised spans marked."""
     d, hf = chat_dirs[QWEN36]
     write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONV_TOOLS, "tools": WEATHER_TOOLS}, {"messages": CONV_OFF}])
@@ -1883,10 +1890,10 @@ def test_corrupt_dataset_named(tmp_path):
     open_dataset(tmp_path / "d")
     with open(tmp_path / "d" / "tokens.bin", "r+b") as f:
         f.truncate(40)
-    with pytest.raises(DataError, match=r"tokens\.bin is 40 bytes.*python data\.py prepare"):
+    with pytest.raises(DataError, match=r"tokens\.bin is 40 bytes.*python prepare\.py --input"):
         open_dataset(tmp_path / "d")
     os.remove(tmp_path / "d" / "meta.json")
-    with pytest.raises(DataError, match=r"meta\.json not found.*python data\.py prepare"):
+    with pytest.raises(DataError, match=r"meta\.json not found.*python prepare\.py --input"):
         open_dataset(tmp_path / "d")
     write_dataset(tmp_path / "v", random_samples(3, 5, 10))
     meta = json.loads((tmp_path / "v" / "meta.json").read_text())
@@ -1930,8 +1937,8 @@ def rss_kb(field):
 
 
 def child_peak_kib(code):
-    """Peak RSS (VmHWM, KiB) of a fresh python that imports data.py and runs code."""
-    script = (f"import sys; sys.path.insert(0, {HERE!r}); import data; {code}; "
+    """Peak RSS (VmHWM, KiB) of a fresh python that imports prepare.py (and data.py) and runs code."""
+    script = (f"import sys; sys.path.insert(0, {HERE!r}); import prepare; {code}; "
               "print(open('/proc/self/status').read().split('VmHWM:')[1].split()[0])")
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
@@ -1950,7 +1957,7 @@ def test_large_dataset_flat_memory(tmp_path):
     # prepare in a child process, whose peak RSS we compare with a child that only imports the same
     # things (VmHWM, not ru_maxrss: Linux carries ru_maxrss over fork+exec: pytest's own size)
     base = child_peak_kib("pass")
-    prep = child_peak_kib(f"data.main(['prepare', '--input', {str(tmp_path / 'big.jsonl')!r}, "
+    prep = child_peak_kib(f"prepare.main(['--input', {str(tmp_path / 'big.jsonl')!r}, "
                           f"'--out', {str(tmp_path / 'big')!r}, '--val', '0.01'])")
     # open and iterate a full epoch. Anonymous memory is what must stay flat: pages of the mapped
     # files count in VmRSS too, but they are the kernel's page cache, shared and evictable
@@ -2189,7 +2196,7 @@ def test_regenerate_answers_every_turn(tmp_path, fake_server, field):
         row = rows[i]
         assert {k: v for k, v in row.items() if k not in ("input_line", "messages")} == \
             {k: v for k, v in chat.items() if k not in ("messages", "conversations", "prompt")}
-        check_answers(row["messages"], expected(data.conversation(chat), tools_or_last=chat["id"] == "d"))
+        check_answers(row["messages"], expected(prepare.conversation(chat), tools_or_last=chat["id"] == "d"))
     assert rows[3]["messages"][-1]["finish_reason"] == "length"
     assert rows[4]["messages"][-1]["tool_calls"][0]["function"]["arguments"] == '{"q": "weather?"}'
     assert rows[1]["messages"][-1]["usage"]["prompt_tokens"] == len(json.dumps(srv.asked("u2")[0]["messages"]).split())
@@ -2220,7 +2227,7 @@ def test_regenerate_answers_every_turn(tmp_path, fake_server, field):
     rows = by_line(tmp_path / "last.jsonl")
     assert sorted(rows) == [1, 2]
     for i in (1, 2):
-        check_answers(rows[i]["messages"], expected(data.conversation(CHATS[i - 1]), tools_or_last=True))
+        check_answers(rows[i]["messages"], expected(prepare.conversation(CHATS[i - 1]), tools_or_last=True))
 
 
 def test_regenerate_resume_after_kill(tmp_path, fake_server):
@@ -2228,7 +2235,7 @@ def test_regenerate_resume_after_kill(tmp_path, fake_server):
     prompts = [{"id": i, "prompt": f"q{i}"} for i in range(40)]
     write_jsonl(tmp_path / "in.jsonl", prompts)
     out = tmp_path / "out.jsonl"
-    p = subprocess.Popen([sys.executable, os.path.join(HERE, "data.py"), "regenerate", "--input", tmp_path / "in.jsonl",
+    p = subprocess.Popen([sys.executable, os.path.join(HERE, "regenerate.py"), "--input", tmp_path / "in.jsonl",
                           "--out", out, "--server", srv.urls[0], "--model", "tiny", "--concurrency", "2"],
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     t0 = time.time()
@@ -2356,9 +2363,9 @@ def test_regenerate_setup_errors(tmp_path, fake_server, monkeypatch):
     assert r.returncode == 2 and "not JSON" in r.stderr
     monkeypatch.setitem(sys.modules, "openai", None)  # as if not installed
     with pytest.raises(SystemExit) as e:
-        data.main(["regenerate", "--input", str(tmp_path / "in.jsonl"), "--out", str(tmp_path / "o.jsonl"),
-                   "--model", "tiny", "--server", srv.urls[0]])
-    assert e.value.code == "error: data.py regenerate needs the openai package: pip install openai"
+        regenerate.main(["--input", str(tmp_path / "in.jsonl"), "--out", str(tmp_path / "o.jsonl"),
+                         "--model", "tiny", "--server", srv.urls[0]])
+    assert e.value.code == "error: regenerate.py needs the openai package: pip install openai"
 
 
 
@@ -2804,7 +2811,7 @@ def test_divergence_is_reported(gen, monkeypatch):
 def test_chat_prompts_are_what_the_engine_renders(chat_dirs, tpl, tmp_path):
     """generate.py --prompts: ids == transformers' apply_chat_template(..., add_generation_prompt=True)
     ids with the same kwargs, a final reference answer dropped; and for a one-turn chat, exactly
-    the tokens `data.py prepare` writes before the first supervised one."""
+    the tokens `prepare.py` writes before the first supervised one."""
     d, hf = chat_dirs[tpl]
     objs = [{"messages": CONV_THINKING}, {"messages": CONV_TOOLS[:3], "tools": WEATHER_TOOLS},
             {"conversations": [{"from": "human", "value": "hi there"}]}, {"prompt": "what is two plus two?"}]
@@ -2818,7 +2825,7 @@ def test_chat_prompts_are_what_the_engine_renders(chat_dirs, tpl, tmp_path):
         for p, msgs, o in zip(prompts, want, objs):
             text = hf_render(hf, msgs, o.get("tools"), kw, gen=True)
             assert p.tolist() == hf(text, add_special_tokens=False).input_ids
-        ids, mask = data.Chat(d, kw).samples({"messages": CONV_OFF[:2]})[0][0]
+        ids, mask = prepare.Chat(d, kw).samples({"messages": CONV_OFF[:2]})[0][0]
         first = int(mask.argmax())
         with open(tmp_path / "one.jsonl", "w") as f:
             f.write(json.dumps({"messages": CONV_OFF[:2]}) + "\n")

@@ -574,8 +574,8 @@ class TinyThinker:
     a call returns (reasoning, content) as the engine's reasoning parser splits them."""
 
     def __init__(self, ckpt, prompts, think=12, answer=20):
-        import data
-        self.chat, target = data.Chat(ckpt), tiny_target()
+        import prepare
+        self.chat, target = prepare.Chat(ckpt), tiny_target()
         tok = self.chat.tok
         text = [tok.decode([i], skip_special_tokens=False) for i in range(tok.get_vocab_size())]
         banned = torch.tensor([not (t.isascii() and t.isprintable()) or t.startswith("<") for t in text])
@@ -612,7 +612,7 @@ def test_regenerate_prepare_train(tmp_path):
     with what the server said for it; each sample's prompt is what the engine renders and its
     supervised tokens are the answer the target generated, thinking included, plus <|im_end|>; the
     trained drafter's held-out accept beats the untrained one's."""
-    import data
+    import prepare
     from test_smoke import CORPUS_WORDS, QWEN36, FakeOpenAI, by_line, chat_checkpoint, write_jsonl
     ckpt = tmp_path / "ckpt"
     tok = chat_checkpoint(ckpt, QWEN36)
@@ -620,11 +620,11 @@ def test_regenerate_prepare_train(tmp_path):
     prompts = [{"id": f"p{i}", "source": "test",
                 "conversations": [{"from": "human", "value": " ".join(rng.choice(CORPUS_WORDS, 6))}]}
                for i in range(96)]
-    thinker = TinyThinker(str(ckpt), [data.conversation(p) for p in prompts])
+    thinker = TinyThinker(str(ckpt), [prepare.conversation(p) for p in prompts])
     srv = FakeOpenAI(reasoning="reasoning", fail_every=5, answer=thinker, delay=0.02)
     write_jsonl(tmp_path / "prompts.jsonl", prompts)
     out = tmp_path / "answers.jsonl"
-    cmd = [sys.executable, os.path.join(HERE, "data.py"), "regenerate", "--input", tmp_path / "prompts.jsonl",
+    cmd = [sys.executable, os.path.join(HERE, "regenerate.py"), "--input", tmp_path / "prompts.jsonl",
            "--out", out, "--server", srv.urls[0], "--model", srv.model, "--concurrency", "4", "--backoff", "0.01",
            "--retries", "8", "--max-tokens", "64"]
     try:
@@ -644,7 +644,7 @@ def test_regenerate_prepare_train(tmp_path):
     # the same answers when the server returns the thinking as SGLang does, in reasoning_content
     srv = FakeOpenAI(reasoning="reasoning_content", answer=thinker)
     try:
-        r2 = subprocess.run(cmd[:5] + ["--out", tmp_path / "again.jsonl", "--server", srv.urls[0]] + cmd[9:]
+        r2 = subprocess.run(cmd[:4] + ["--out", tmp_path / "again.jsonl", "--server", srv.urls[0]] + cmd[8:]
                             + ["--limit", "8"],
                             capture_output=True, text=True, timeout=600)
     finally:
@@ -661,7 +661,7 @@ def test_regenerate_prepare_train(tmp_path):
                                                               prompts[i - 1]["conversations"][0]["value"])
         thought, said = thinker(row["messages"][:1])               # what the server says to that prompt
         assert (answer["reasoning_content"], answer["content"]) == (thought, said)
-    r = subprocess.run([sys.executable, os.path.join(HERE, "data.py"), "prepare", "--input", out,
+    r = subprocess.run([sys.executable, os.path.join(HERE, "prepare.py"), "--input", out,
                         "--out", tmp_path / "data", "--tokenizer", ckpt, "--val", "16"],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr

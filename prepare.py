@@ -1,0 +1,610 @@
+"""
+JSONL -> a dataset for train.py in data.py's format: DIR/train and, with --val, DIR/val.
+
+    python prepare.py --input answers.jsonl --out data/mix --tokenizer /ckpt/Qwen3.6-27B \\
+        --chat-template-kwargs '{"enable_thinking": true}' --val 0.005 --workers 16
+    python prepare.py stats data/mix --budget 8192     # what it will teach (prepare.py stats -h)
+
+A line is {"input_ids": [...], "loss_mask": [...]} (mask optional, default all ones), or a chat:
+{"messages": [...], "tools": [...]} (OpenAI format; ShareGPT "conversations" too), rendered by
+the --tokenizer checkpoint's own chat template (chat_template.jinja, else tokenizer_config.json's)
+and tokenizer.json as the serving engine renders it (class Chat), with the loss mask on exactly
+the tokens the target generated. Chat lines need the tokenizers and jinja2 packages (pip install
+tokenizers jinja2); pretokenized lines neither.
+
+--turns all trains each assistant turn in the context serving gave it: turns the template renders
+the same once later turns exist share the conversation's sample, a turn it re-renders (Qwen drops
+earlier thinking) gets a sample of its own. --turns last trains the final turn only.
+Every bad line is reported by number and counted; more than --max-bad of them fails the command,
+and nothing is written.
+"""
+import argparse
+import hashlib
+import itertools
+import json
+import os
+import shutil
+import sys
+import time
+from collections import Counter, deque
+from datetime import datetime
+
+import numpy as np
+
+from data import (ArgParser, Bad, DataError, Packer, Writer, kwargs_arg, load_line, number,
+                  open_dataset, package, summary)
+
+# -----------------------------------------------------------------------------
+# a JSONL line's conversation: OpenAI messages, ShareGPT conversations or a prompt
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+# ShareGPT speaker names -> OpenAI roles (FastChat's and SpecForge's readers accept these)
+SHAREGPT_ROLES = dict(human="user", user="user", gpt="assistant", assistant="assistant",
+                      chatgpt="assistant", bing="assistant", bard="assistant", model="assistant",
+                      system="system", tool="tool", function="tool", observation="tool")
+
+def conversation(obj):
+    """A JSONL object -> its messages (OpenAI chat format: dicts with a role and the rest passed
+    through whole: content, reasoning_content, tool_calls, ...). Accepts {"messages": [...]},
+    ShareGPT {"conversations": [{"from": .., "value": ..}]} and {"prompt": str}; raises Bad."""
+    if not isinstance(obj, dict):
+        raise Bad("not a JSON object", f"got {type(obj).__name__}")
+    if "messages" in obj:
+        msgs = obj["messages"]
+    elif "conversations" in obj:
+        turns = obj["conversations"]
+        if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
+            raise Bad("bad conversations", 'need a list of {"from": str, "value": str}')
+        unknown = {t.get("from") for t in turns} - set(SHAREGPT_ROLES)
+        if unknown:
+            raise Bad("unknown role", f"ShareGPT \"from\" {sorted(map(str, unknown))}, expected "
+                      f"one of {sorted(SHAREGPT_ROLES)}")
+        msgs = [{"role": SHAREGPT_ROLES[t["from"]], "content": t.get("value")} for t in turns]
+    elif "prompt" in obj:
+        if not isinstance(obj["prompt"], str):
+            raise Bad("bad prompt", "\"prompt\" must be a string")
+        msgs = [{"role": "user", "content": obj["prompt"]}]
+    else:
+        raise Bad("no conversation", 'need "messages", "conversations" or "prompt"')
+    if not (isinstance(msgs, list) and msgs and all(isinstance(m, dict) for m in msgs)):
+        raise Bad("bad messages", "need a non-empty list of message objects")
+    for i, m in enumerate(msgs):
+        if m.get("role") not in ROLES:
+            raise Bad("unknown role", f"message {i} has role {m.get('role')!r}, expected one of "
+                      f"{', '.join(ROLES)}")
+    # transformers' apply_chat_template drops keys whose value is None before rendering
+    return [{k: v for k, v in m.items() if v is not None} for m in msgs]
+
+def tools_of(obj):
+    """A JSONL object's "tools" (OpenAI function schemas), or None; raises Bad."""
+    tools = obj.get("tools")
+    if tools is not None and not (isinstance(tools, list)
+                                  and all(isinstance(t, dict) for t in tools)):
+        raise Bad("bad tools", '"tools" must be a list of JSON schema objects')
+    return tools
+
+# -----------------------------------------------------------------------------
+# chat lines: the checkpoint's own template, rendered the way the serving engine renders it, and a
+# loss mask on exactly what the target generated
+
+def _jinja_env():
+    """The environment of transformers' apply_chat_template (v5.24,
+    transformers/utils/chat_template_utils.py), which SGLang and vLLM render templates with."""
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(jinja2.ext.Extension):
+        # {% generation %}...{% endgeneration %} marks assistant text for transformers' own masks;
+        # it renders its body unchanged
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
+            call = jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body)
+            return call.set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # not jinja's own tojson, which escapes HTML characters
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[Generation, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+def _template_messages(msgs):
+    """Messages as the engine hands them to the template. Tool-call arguments arrive as a JSON
+    string (OpenAI wire format) and templates iterate them as a mapping, so they are parsed first,
+    as vLLM does (vllm/entrypoints/chat_utils.py, _postprocess_messages: an empty list of calls is
+    dropped, missing or empty arguments become {}) and SGLang (serving_chat.py) does. Then the
+    reasoning aliases of transformers 5.24 (_alias_reasoning_fields): the first of
+    reasoning_content, thinking, reasoning is passed under reasoning_content and thinking."""
+    out = []
+    for i, m in enumerate(msgs):
+        m = dict(m)
+        calls = m.get("tool_calls")
+        if m["role"] == "assistant" and isinstance(calls, list):
+            m["tool_calls"] = [_parsed_call(c, i, j) for j, c in enumerate(calls)]
+            if not calls:
+                del m["tool_calls"]
+        r = next((m[k] for k in ("reasoning_content", "thinking", "reasoning")
+                  if m.get(k) is not None), None)
+        if r is not None:
+            m = {"thinking": r, **m, "reasoning_content": r}
+        out.append(m)
+    return out
+
+def _parsed_call(call, i, j):
+    if not isinstance(call, dict):
+        raise Bad("bad tool call", f"message {i} tool call {j} is not an object")
+    call = dict(call)
+    fn = call  # {"function": {"name", "arguments"}}, or flat {"name", "arguments"}: both render
+    if isinstance(call.get("function"), dict):
+        fn = call["function"] = dict(call["function"])
+    args = fn.get("arguments")
+    if isinstance(args, str) and args.strip():
+        try:
+            args = json.loads(args)
+        except ValueError as e:
+            raise Bad("bad tool arguments", f"message {i} tool call {j}: arguments are not "
+                      f"JSON ({e})")
+    fn["arguments"] = {} if args is None or args == "" else args
+    return call
+
+def split_think(content):
+    """Inline thinking (what the engines return without a reasoning parser) -> (reasoning,
+    answer), split as the Qwen3 / Qwen3.5 chat templates split it: both forms render alike."""
+    reasoning = content.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
+    return reasoning, content.split("</think>")[-1].lstrip("\n")
+
+def _answer_parts(m):
+    """(reasoning, [text pieces]) a rendered assistant turn must contain."""
+    c = m.get("content")
+    pieces = [c] if isinstance(c, str) else [p["text"] for p in c or () if isinstance(p, dict)
+                                            and isinstance(p.get("text"), str)]
+    r = m.get("reasoning_content")
+    if not isinstance(r, str):
+        r = ""
+        for k, p in enumerate(pieces):
+            if "</think>" in p:
+                r, pieces[k] = split_think(p)
+    return r.strip(), [p.strip() for p in pieces if p.strip()]
+
+class Chat:
+    """A checkpoint's chat template and tokenizer.json, applied as a serving engine applies them:
+    the template rendered in transformers' jinja environment with the tokenizer's special-token
+    strings (tokenizer_config.json) and the user's --chat-template-kwargs as variables, the text
+    tokenized with tokenizer.json adding no special tokens (transformers' apply_chat_template does
+    tokenizer(text, add_special_tokens=False))."""
+
+    def __init__(self, path, kwargs=None, cmd="prepare.py --tokenizer"):
+        jinja2 = package("jinja2", cmd)
+        tokenizers = package("tokenizers", cmd)
+        if tuple(int(x) for x in jinja2.__version__.split(".")[:3] if x.isdigit()) < (3, 1, 6):
+            # older versions have sandbox escapes, and templates are code from the Hub
+            raise DataError(f"{cmd} needs jinja2>=3.1.6 (have {jinja2.__version__}): "
+                            "pip install -U jinja2")
+        if not os.path.isdir(path):
+            raise DataError(f"--tokenizer {path} is not a directory: pass the checkpoint (or "
+                            "tokenizer) directory that holds tokenizer.json and the chat template")
+        cfg_path = os.path.join(path, "tokenizer_config.json")
+        gen_path = os.path.join(path, "generation_config.json")
+        cfg, gen = ({}, {})
+        for name, into in ((cfg_path, cfg), (gen_path, gen)):
+            if os.path.isfile(name):
+                try:
+                    with open(name) as f:
+                        into.update(json.load(f))
+                except ValueError as e:
+                    raise DataError(f"{name} is not valid JSON ({e})")
+        # chat_template.jinja wins over tokenizer_config.json, as in transformers' loader
+        self.source = os.path.join(path, "chat_template.jinja")
+        if os.path.isfile(self.source):
+            with open(self.source) as f:
+                text = f.read()
+        else:
+            text, self.source = cfg.get("chat_template"), cfg_path
+            if isinstance(text, list):  # [{"name", "template"}, ...]: transformers uses "default"
+                text = {t.get("name"): t.get("template") for t in text}.get("default")
+        if not isinstance(text, str):
+            raise DataError(f"{path} has no chat template: neither chat_template.jinja nor a "
+                            "\"chat_template\" in tokenizer_config.json")
+        tok_file = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(tok_file):
+            raise DataError(f"{path} has no tokenizer.json (the fast tokenizer file that the "
+                            "chat lines are tokenized with)")
+        self.path, self.kwargs = os.path.abspath(path), dict(kwargs or {})
+        self.sha256 = hashlib.sha256(text.encode()).hexdigest()
+        try:
+            self.template = _jinja_env().from_string(text)
+        except jinja2.TemplateError as e:
+            raise DataError(f"{self.source}: the chat template does not compile: {e}")
+        self.tok = tokenizers.Tokenizer.from_file(tok_file)
+        self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+        # template variables: the named special tokens (an AddedToken is a dict with a "content"),
+        # as transformers' special_tokens_map, then the user's kwargs over them
+        extra = cfg.get("extra_special_tokens")
+        named = {**(extra if isinstance(extra, dict) else {}),
+                 **{k: v for k, v in cfg.items() if k.endswith("_token")}}
+        named = {k: v["content"] if isinstance(v, dict) else v for k, v in named.items()
+                 if isinstance(v, str) or isinstance(v, dict) and isinstance(v.get("content"), str)}
+        self.variables = {**named, **self.kwargs}
+        # end of a turn: generation_config.json's eos ids (what the engine stops at) and the
+        # tokenizer's eos_token
+        eos = gen.get("eos_token_id")
+        eos = [eos] if isinstance(eos, int) else list(eos or [])
+        eos.append(self.tok.token_to_id(named.get("eos_token", "")))
+        self.eos = np.array(sorted({e for e in eos if isinstance(e, int)}), np.int64)
+
+    def render(self, msgs, tools=None, add_generation_prompt=False):
+        try:
+            return self.template.render(messages=msgs, tools=tools, documents=None,
+                                        add_generation_prompt=add_generation_prompt,
+                                        **self.variables)
+        except Exception as e:  # raise_exception, or the template tripping over this sample
+            detail = str(e).splitlines()[0] if str(e) else ""
+            raise Bad("template error", f"rendering messages[:{len(msgs)}]: "
+                      f"{type(e).__name__}: {detail}")
+
+    def encode(self, text):
+        """ids [T] int64, and each token's character span [T] start, [T] end in text."""
+        enc = self.tok.encode(text, add_special_tokens=False)
+        off = np.asarray(enc.offsets, np.int64).reshape(-1, 2)  # [T, 2]
+        return np.asarray(enc.ids, np.int64), off[:, 0], off[:, 1]
+
+    def prompt(self, obj):
+        """A JSONL object's prompt ids as the engine feeds them to the target: a trailing
+        assistant message (a reference answer) dropped, the generation prompt added."""
+        msgs = conversation(obj)
+        if msgs[-1]["role"] == "assistant":
+            msgs = msgs[:-1]
+        if not msgs:
+            raise Bad("no prompt", "the only message is an assistant answer")
+        return self.encode(self.render(_template_messages(msgs), tools_of(obj), True))[0]
+
+    def samples(self, obj, turns="all"):
+        """A JSONL conversation -> ([(ids, mask), ...], counts, notes). Assistant turn i is
+        supervised from the end of P = render(messages[:i], add_generation_prompt=True), the
+        prompt the engine gave the target, through the first end-of-turn token of
+        U = render(messages[:i+1]). P must be a prefix of U, else the turn is not what serving
+        produces (counted, skipped). A turn rides in the sample of the whole conversation when U is
+        a prefix of it; a turn the template renders differently once later turns exist (Qwen drops
+        earlier thinking) gets a sample of its own, U. turns="last": only the final assistant turn.
+        Raises Bad."""
+        msgs, tools = _template_messages(conversation(obj)), tools_of(obj)
+        idx = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+        if not idx:
+            raise Bad("no assistant turn", "nothing to train on")
+        if turns == "last":
+            idx = idx[-1:]
+        n, notes = Counter(assistant_turns=len(idx)), []
+        last = self.render(msgs[:idx[-1] + 1], tools)
+        spans = {last: []}  # sample text -> [(answer start, its text's end, message index)]
+        for i in reversed(idx):
+            prompt = self.render(msgs[:i], tools, True)
+            turn = last if i == idx[-1] else self.render(msgs[:i + 1], tools)
+            if not turn.startswith(prompt):
+                n["not_as_served"] += 1
+                k = len(os.path.commonprefix([prompt, turn]))
+                notes.append(("not as served", f"turn {i}: the generation prompt goes on "
+                              f"{prompt[k:k + 20]!r} where the turn has {turn[k:k + 20]!r} (e.g. "
+                              "reasoning with thinking off: check --chat-template-kwargs)"))
+                continue
+            text = next((t for t in spans if t.startswith(turn)), None)
+            if text is None:
+                text, spans[turn] = turn, []
+                n["own_sample"] += 1
+            spans[text].append((len(prompt), len(turn), i))
+        if not any(spans.values()):
+            raise Bad("not as served", notes[0][1])
+        out = [self._mask(text, sp, msgs, n, notes) for text, sp in reversed(spans.items()) if sp]
+        return out, n, notes  # in conversation order
+
+    def _mask(self, text, spans, msgs, n, notes):
+        ids, a, b = self.encode(text)
+        mask, eos = np.zeros(len(ids), bool), np.isin(ids, self.eos)
+        for s, lim, i in spans:
+            stop = np.flatnonzero((a >= s) & (b <= lim) & eos)
+            e = int(b[stop[0]]) if len(stop) else lim
+            inside = (a >= s) & (b <= e)
+            mask |= inside
+            # a token the BPE merged across the prompt's end belongs to neither: unsupervised
+            n["straddle"] += int(((a < s) & (b > s)).sum())
+            answer, m = text[s:e], msgs[i]
+            r, pieces = _answer_parts(m)
+            lost = [x for x in [r] * bool(r) + pieces if x not in answer]
+            if lost:
+                n["not_intact"] += 1
+                notes.append(("not intact", f"turn {i}: {lost[0][:40]!r} is not in the "
+                              "supervised text"))
+            p = answer.find(r) if r else -1
+            think = int((inside & (a >= s + p) & (a < s + p + len(r))).sum()) if p >= 0 else 0
+            n["thinking_tokens"] += think
+            n["answer_tokens"] += int(inside.sum()) - think
+            n["length"] += m.get("finish_reason") == "length"
+            n["trained"] += 1
+        return ids, mask.astype(np.uint8)
+
+# -----------------------------------------------------------------------------
+# prepare: JSONL -> DIR/train (+ DIR/val), streaming, with every bad line reported by number
+
+def _parse(line, bound, chat, where, turns):
+    """One JSONL line -> ([(ids, mask), ...], counts, notes), or Bad(kind, detail)."""
+    obj, counts, notes = load_line(line), {}, []
+    if isinstance(obj, dict) and "input_ids" in obj:
+        # ragged or huge values make numpy raise; strings, floats and nesting are caught just below
+        try:
+            ids = np.asarray(obj["input_ids"])
+            mask = np.asarray(obj.get("loss_mask", np.ones(ids.shape, np.uint8)))
+        except (ValueError, TypeError, OverflowError) as e:
+            raise Bad("bad input_ids", str(e))
+        if ids.ndim != 1 or len(ids) == 0 or ids.dtype.kind not in "iu":
+            raise Bad("bad input_ids", "must be a non-empty list of integers")
+        if mask.shape != ids.shape:
+            raise Bad("loss_mask length mismatch",
+                      f"{mask.size} mask values for {len(ids)} input_ids")
+        if not np.isin(mask, (0, 1)).all():
+            raise Bad("bad loss_mask", "values must be 0 or 1")
+        samples = [(ids, mask)]
+    elif isinstance(obj, dict) and any(k in obj for k in ("messages", "conversations", "prompt")):
+        if chat is None:  # a setup error, not a bad line: stop at once rather than skip every line
+            raise DataError(f"{where}: a chat line needs --tokenizer DIR (the checkpoint "
+                            "directory with tokenizer.json and the chat template)")
+        samples, counts, notes = chat.samples(obj, turns)
+    else:
+        raise Bad("neither input_ids nor messages",
+                  "a line must be an object with \"input_ids\" or \"messages\"")
+    for ids, mask in samples:
+        if ids.min() < 0 or ids.max() >= bound:
+            bad = ids[(ids < 0) | (ids >= bound)][0]
+            raise Bad("token id out of range", f"id {bad} not in [0, {bound})")
+        if not mask.any():
+            raise Bad("no supervised token", "loss mask is all zero (no assistant turn?)")
+    return samples, counts, notes
+
+# --workers: each process renders with a Chat of its own, built once; the parent reads and writes
+_worker = {}
+
+def _init_worker(tokenizer, kwargs, *args):
+    _worker["args"] = (Chat(tokenizer, kwargs) if tokenizer else None, *args)
+
+def _work(chunk):
+    """[(lineno, line)] -> [(lineno, _parse's result, its Bad, or None for a blank line)]"""
+    chat, bound, where, turns = _worker["args"]
+    out = []
+    for lineno, line in chunk:
+        try:
+            out.append((lineno, _parse(line, bound, chat, f"{where}:{lineno}", turns)
+                        if line.strip() else None))
+        except Bad as e:
+            out.append((lineno, e))
+    return out
+
+def _processed(f, workers, chat, *args):
+    """_work over the lines of f, in order: one line at a time in this process, or chunks of 64 in
+    a pool of `workers` holding at most 2 chunks per worker in flight, so memory stays flat."""
+    lines = enumerate(f, 1)
+    if workers <= 1:
+        _worker["args"] = (chat, *args)
+        for line in lines:
+            yield from _work([line])
+        return
+    import multiprocessing
+    chunks = iter(lambda: list(itertools.islice(lines, 64)), [])
+    init = (chat and chat.path, chat and chat.kwargs, *args)
+    with multiprocessing.Pool(workers, _init_worker, init) as pool:
+        pending = deque()
+        for chunk in chunks:
+            pending.append(pool.apply_async(_work, (chunk,)))
+            if len(pending) >= 2 * workers:
+                yield from pending.popleft().get()
+        while pending:
+            yield from pending.popleft().get()
+
+CHAT_COUNTS = ("assistant_turns", "trained", "own_sample", "not_as_served", "not_intact", "length",
+               "straddle", "thinking_tokens", "answer_tokens")
+
+def prepare(input, out, tokenizer=None, val=None, vocab_size=None, force=False, max_bad=0.01,
+            log=print, chat_template_kwargs=None, turns="all", workers=1):
+    """JSONL -> out/train and, if val (a count >= 1 or a fraction in (0, 1)) is given, out/val.
+    tokenizer: a checkpoint directory (tokenizer.json + chat template) for chat lines."""
+    if not os.path.isfile(input):
+        raise DataError(f"input file {input} not found")
+    chat = Chat(tokenizer, chat_template_kwargs) if tokenizer else None
+    bound = min(v for v in (vocab_size, chat and chat.vocab_size, 2**32) if v)
+    n_lines = n_val = 0
+    # held-out split: spread n_val lines evenly over the file, which needs its line count first
+    if val:
+        with open(input, "rb") as f:
+            n_lines = sum(1 for _ in f)
+        n_val = round(val * n_lines) if isinstance(val, float) else val
+        if not 0 < n_val < n_lines:
+            raise DataError(f"--val {val} selects {n_val} of the {n_lines} lines of {input}; "
+                            "need at least 1 and fewer than all")
+    bad, noted, counts = Counter(), Counter(), [Counter(), Counter()]
+    total = blank = 0
+    t0 = last = time.time()
+    writers = []
+    try:
+        for s in ("train", "val")[:1 + bool(n_val)]:
+            writers.append(Writer(os.path.join(out, s), vocab_size or (chat and chat.vocab_size),
+                                  force))
+        with open(input, "rb") as f:
+            for lineno, res in _processed(f, workers, chat, bound, input, turns):
+                if res is None:
+                    blank += 1
+                    continue
+                total += 1
+                if isinstance(res, Bad):
+                    kind = res.args[0]
+                    bad[kind] += 1
+                    if bad[kind] <= 10:
+                        log(f"{input}:{lineno}: {kind}: {res.args[1]}")
+                    continue
+                samples, c, notes = res
+                for kind, note in notes:  # turns skipped or not intact: reported, counted below
+                    noted[kind] += 1
+                    if noted[kind] <= 10:
+                        log(f"{input}:{lineno}: {kind}: {note}")
+                # line i is held out when floor(i * n_val / n_lines) steps up: exactly n_val lines
+                i = lineno - 1
+                held_out = n_val and (i + 1) * n_val // n_lines > i * n_val // n_lines
+                counts[bool(held_out)].update(c)
+                for ids, mask in samples:
+                    writers[1 if held_out else 0].add(ids, mask)
+                if time.time() - last > 5:
+                    last, n_tok = time.time(), sum(w.n_tokens for w in writers)
+                    log(f"prepare: {total - bad.total()} lines | "
+                        f"{n_tok / 1e6:.2f}M tokens | {n_tok / (last - t0) / 1e6:.2f}M tokens/s")
+        n_bad = bad.total()
+        if blank:
+            log(f"ignored {blank} blank lines")
+        if n_bad:
+            log(f"skipped {n_bad} of {total} lines: "
+                + ", ".join(f"{c} {k}" for k, c in bad.items()))
+        if total == 0:
+            raise DataError(f"{input} is empty")
+        if n_bad == total:
+            raise DataError(f"{input}: none of its {total} lines is a valid sample (see above)")
+        if n_bad > max_bad * total:
+            raise DataError(f"{input}: {n_bad} of {total} lines ({n_bad / total:.1%}) are bad, "
+                            f"more than --max-bad {max_bad:g}; "
+                            "fix the input, or raise --max-bad to accept the loss")
+        # checked before either split is committed: a lone train/ would train with no eval
+        for w, s in zip(writers, ("train", "val")):
+            if w.n == 0:
+                raise DataError(f"{input}: every line of the {s} split is bad (see above), so "
+                                f"{w.out} would be empty; fix those lines or change --val")
+        metas = []
+        for w, s, c in zip(writers, ("train", "val"), counts):
+            extra = {}
+            if chat:  # what made these tokens, so stats (and a reader) can tell
+                extra["chat"] = dict(tokenizer=chat.path, template=chat.source,
+                                     template_sha256=chat.sha256, kwargs=chat.kwargs, turns=turns,
+                                     **{k: c[k] for k in CHAT_COUNTS})
+            metas.append(w.commit(source=input, split=s, **extra))
+    except BaseException:
+        for w in writers:
+            w.abort()
+        raise
+    if force and not n_val and os.path.exists(os.path.join(out, "val")):
+        # a stale split from an earlier run would silently mismatch
+        shutil.rmtree(os.path.join(out, "val"))
+        log(f"removed the old {os.path.join(out, 'val')}")
+    summary(out, metas, t0, log)
+    if chat:
+        c = counts[0] + counts[1]
+        log(f"chat: {c['trained']} of {c['assistant_turns']} assistant turns trained "
+            f"({c['own_sample']} in a sample of their own, rendered as served), "
+            f"{c['not_as_served']} not as served (skipped), {c['not_intact']} not intact, "
+            f"{c['straddle']} tokens straddling a prompt's end (unsupervised)")
+    stats(os.path.join(out, "train"), log=log, show=None)
+    return metas
+
+# -----------------------------------------------------------------------------
+# stats: what the drafter will learn, before a GPU hour is spent on it
+
+def stats(path, budget=8192, tokenizer=None, show=0, log=print):
+    """Counts, length percentiles, what --budget cuts, thinking vs answer tokens; then sample `show`
+    printed back as text with the supervised spans between « and » (None: no sample)."""
+    ds = open_dataset(path)
+    L, sup, n_tok = ds.lengths, ds.n_supervised, int(ds.meta["n_tokens"])
+    log(f"{ds.path}: {len(ds)} samples, {n_tok} tokens, {sup} supervised ({sup / n_tok:.1%})")
+    srt = np.sort(L)  # not np.percentile: its import alone grows the process
+    p50, p90, p99 = (int(srt[int(q * (len(srt) - 1))]) for q in (0.5, 0.9, 0.99))
+    log(f"tokens per sample: p50 {p50}, p90 {p90}, p99 {p99}, max {srt[-1]}")
+    p = Packer(ds, budget, shuffle=False)  # what train.py's --budget cuts
+    cut = p.truncated_supervised()
+    log(f"--budget {budget}: {p.truncated} samples ({p.truncated / len(ds):.1%}) are longer; the "
+        f"cut drops {cut} supervised tokens ({cut / max(sup, 1):.1%})")
+    chat = ds.meta.get("chat")
+    if chat:
+        t, a = chat["thinking_tokens"], chat["answer_tokens"]
+        log(f"supervised: {t} thinking tokens ({t / max(t + a, 1):.1%}), {a} answer tokens; "
+            f"{chat['length']} of {chat['trained']} turns cut by max tokens (finish_reason "
+            f"length) | rendered with {chat['template']} (sha256 {chat['template_sha256'][:12]}), "
+            f"kwargs {json.dumps(chat['kwargs'])}")
+    if show is None:
+        return
+    if not 0 <= show < len(ds):
+        raise DataError(f"--sample {show}: {ds.path} has samples 0..{len(ds) - 1}")
+    ids, mask = ds.sample(show)
+    tokenizer = tokenizer or (chat or {}).get("tokenizer")
+    tok = None
+    if tokenizer and os.path.isfile(os.path.join(tokenizer, "tokenizer.json")):
+        tok = package("tokenizers", "prepare.py stats").Tokenizer.from_file(
+            os.path.join(tokenizer, "tokenizer.json"))
+    edges = np.flatnonzero(np.diff(mask.astype(np.int8))) + 1
+    text = ""
+    for run in np.split(np.arange(len(ids)), edges):
+        piece = (tok.decode(ids[run].tolist(), skip_special_tokens=False) if tok
+                 else " ".join(map(str, ids[run].tolist())))
+        text += f"«{piece}»" if mask[run[0]] else piece
+    log(f"sample {show}: {len(ids)} tokens, {int(mask.sum())} supervised, between « and »"
+        f"{'' if tok else ' (token ids: no tokenizer; pass --tokenizer DIR)'}:\n{text}")
+
+def _val_arg(s):  # --val: a number of lines (>= 1) or a fraction of them in (0, 1)
+    v = float(s)
+    if not (0 < v < 1 or (v >= 1 and v == int(v))):
+        raise argparse.ArgumentTypeError(f"{s}: give a number of samples >= 1 "
+                                         "or a fraction in (0, 1)")
+    return v if v < 1 else int(v)
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["stats"]:
+        ap = ArgParser(prog="prepare.py stats", description="What a prepared dataset will teach: "
+                       "counts, lengths, the --budget cut, thinking vs answer tokens, one sample "
+                       "printed back with its supervised spans between « and ».")
+        ap.add_argument("dir", help="dataset directory (prepare's OUT, or OUT/train, OUT/val)")
+        ap.add_argument("--budget", type=number(int, 1), default=8192,
+                        help="tokens per row you will train with (default 8192)")
+        ap.add_argument("--tokenizer", default=None,
+                        help="checkpoint dir to decode the sample with (default: prepare's)")
+        ap.add_argument("--sample", type=int, default=0, help="which sample to print (default 0)")
+        args = ap.parse_args(argv[1:])
+        run = lambda: stats(args.dir, args.budget, args.tokenizer, args.sample)
+    else:
+        ap = ArgParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        ap.add_argument("--input", required=True,
+                        help="JSONL file, one sample per line (input_ids or messages)")
+        ap.add_argument("--out", required=True,
+                        help="output directory; gets train/ and, with --val, val/")
+        ap.add_argument("--tokenizer", default=None,
+                        help="checkpoint dir whose chat template and tokenizer render chat lines")
+        ap.add_argument("--chat-template-kwargs", type=kwargs_arg, default={},
+                        help="JSON object of template variables: those you serve with")
+        ap.add_argument("--turns", choices=("all", "last"), default="all",
+                        help="assistant turns to train: all, each as served (default), or last")
+        ap.add_argument("--workers", type=number(int, 1), default=1,
+                        help="processes rendering and tokenizing (default 1)")
+        ap.add_argument("--val", type=_val_arg, default=None,
+                        help="held-out lines: a count or a fraction in (0, 1); default none")
+        ap.add_argument("--vocab-size", type=int, default=None,
+                        help="ids >= this make a line bad (default: tokenizer size, else none)")
+        ap.add_argument("--max-bad", type=float, default=0.01,
+                        help="fail if more than this fraction of lines is bad (default 0.01)")
+        ap.add_argument("--force", action="store_true",
+                        help="overwrite existing DIR/train and DIR/val")
+        args = ap.parse_args(argv)
+        run = lambda: prepare(args.input, args.out, args.tokenizer, args.val, args.vocab_size,
+                              args.force, args.max_bad,
+                              chat_template_kwargs=args.chat_template_kwargs, turns=args.turns,
+                              workers=args.workers)
+    try:
+        run()
+    except DataError as e:
+        sys.exit(f"error: {e}")
+
+if __name__ == "__main__":
+    main()
