@@ -8,6 +8,9 @@ target -> drafter.
       --budget 8192      # 2 pairs
   torchrun --nproc_per_node=2 train.py --target qwen3.6-27b --anchors 512 --budget 8192  # preset
 """
+# Reading order: setup (arguments, ranks, output dir, configs, the self-check, data, models, resume,
+# banner, log), then the definitions the loops use (schedule, rows as tensors, the drafter's update,
+# the pair protocol, the train step's one-offs, checkpoints), then the two loops: target, drafter.
 import argparse
 import errno
 import fcntl
@@ -30,49 +33,43 @@ t_launch = time.perf_counter()      # the log's elapsed time counts from here
 # numpy only: nothing before the cache settings below may import triton
 from data import ArgParser, number
 
-# number(int, 1): an int >= 1; a bad flag stops the run with one line naming it
+# -----------------------------------------------------------------------------
+# arguments. number(int, 1): an int >= 1; a bad flag stops the run with one line naming it
+
 parser = ArgParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 group = parser.add_argument_group("data")
-group.add_argument("--data", default=None, help="prepared dataset dir (data.py prepare); "
-                   "default: the demo data, built in ./data/demo on first use")
+group.add_argument("--data", default=None,
+                   help="prepared dataset dir (data.py prepare); default: the demo, in ./data/demo")
 group.add_argument("--budget", type=number(int, 1), default=128,
-                   help="tokens per packed row (context length), fixed")
+                   help="tokens per packed row (the context length), fixed")
 group.add_argument("--eval-rows", type=number(int, 0), default=8,
                    help="held-out rows per evaluation (from DATA/val)")
 group.add_argument("--generate-prompts", type=number(int, 0), default=0,
-                   help="at the end, greedy speculative decoding (generate.py) on this many "
-                   "DATA/val prompts: the real acceptance length tau; one process only")
+                   help="at the end, tau of speculative decoding on this many DATA/val prompts")
 group.add_argument("--generate-tokens", type=number(int, 1), default=64,
                    help="new tokens per --generate-prompts prompt")
 group = parser.add_argument_group("models")
-group.add_argument("--target", default="tiny", help="HF checkpoint dir of a Qwen3.5/3.6 model "
-                   "(dense or MoE), or a preset: tiny, qwen3.6-27b, qwen3.5-35b-a3b, "
-                   "qwen3.6-35b-a3b (random weights)")
+group.add_argument("--target", default="tiny",
+                   help="a Qwen3.5/3.6 HF checkpoint dir (dense or MoE), or a preset (random "
+                   "weights): tiny, qwen3.6-27b, qwen3.5-35b-a3b, qwen3.6-35b-a3b")
 group.add_argument("--drafter-layers", type=number(int, 1), default=None,
-                   help="drafter decoder layers (default: z-lab's published drafter for the "
-                   "target: 5 for the 27B, 6 for the 35B-A3B; else 5)")
+                   help="drafter decoder layers (default: the published drafter's, else 5)")
 group.add_argument("--n-feat", type=number(int, 1), default=None,
-                   help="tapped target layers (default: the published drafter's, 5 for the 27B, "
-                   "8 for the 35B-A3B; else 5, 3 under 16 target layers)")
+                   help="tapped target layers (default: the published drafter's, else 5 or 3)")
 group.add_argument("--block-size", type=number(int, 2), default=16,
-                   help="tokens per draft block: the anchor + block-size-1 drafted tokens")
+                   help="tokens per draft block: the anchor + block-size - 1 drafted tokens")
 group.add_argument("--mask-token-id", type=number(int, 0), default=None,
                    help="embedding row of the masked slots (default: z-lab's for the vocab)")
-group.add_argument("--init-drafter", default=None, help="start from a z-lab format drafter dir, "
-                   "not random init (its config's layer layout and RoPE are kept)")
+group.add_argument("--init-drafter", default=None,
+                   help="start from a z-lab format drafter dir (keeping its layout and RoPE)")
 group.add_argument("--sliding-window", type=int, default=None,
-                   help="tokens a sliding-window drafter layer sees (its own position included); "
-                   "all layers but the last slide, as in z-lab's published drafters; 0: all full "
-                   "attention (default: the published drafter's, 2048 for the 27B, 4096 for the "
-                   "35B-A3B; else 0)")
+                   help="tokens a sliding layer sees (all but the last slide); 0: all full "
+                   "attention (default: the published drafter's, else 0)")
 group = parser.add_argument_group("optimization")
 group.add_argument("--anchors", type=number(int, 1), default=16,
-                   help="draft blocks per document (sample) and step, at most: the recipe's 512 "
-                   "per sample")
+                   help="draft blocks per document and step, at most (the recipe: 512)")
 group.add_argument("--row-anchors", type=number(int, 0), default=0,
-                   help="draft blocks per packed row, fixed (the compiled shape: the drafter sees "
-                   "row-anchors*block-size query tokens); 0: the 90th percentile of what the "
-                   "data's rows ask for, measured at start")
+                   help="draft blocks per packed row, fixed; 0: the data's 90th percentile")
 group.add_argument("--gamma", type=number(float, 0, above=True), default=7.0,
                    help="loss decay over block slots: weight exp(-(k-1)/gamma)")
 group.add_argument("--lr", type=number(float, 0, above=True), default=6e-4,
@@ -97,31 +94,27 @@ group.add_argument("--eval-interval", type=number(int, 1), default=100,
 group.add_argument("--save-interval", type=number(int, 1), default=500,
                    help="steps between checkpoints (and at the end)")
 either = group.add_mutually_exclusive_group()
-either.add_argument("--resume", action="store_true", help="continue from OUT/ckpt.pt, exactly: "
-                    "flags that change the model or the data order must match the checkpoint's")
-either.add_argument("--overwrite", action="store_true", help="start over in an --out that holds "
-                    "a run: delete its checkpoint, export and log first")
-group.add_argument("--wandb", default=None, metavar="PROJECT", help="also send the train, eval "
-                   "and generate records to this Weights & Biases project (pip install wandb; "
-                   "WANDB_MODE=offline logs without a network)")
+either.add_argument("--resume", action="store_true",
+                    help="continue OUT/ckpt.pt exactly (what defines the run must match)")
+either.add_argument("--overwrite", action="store_true",
+                    help="start over in an --out that holds a run (deleting its files first)")
+group.add_argument("--wandb", default=None, metavar="PROJECT",
+                   help="also send the records to this W&B project (WANDB_MODE=offline: no net)")
 group.add_argument("--wandb-name", default=None, help="W&B run name (default: wandb's own)")
 group = parser.add_argument_group("system")
-group.add_argument("--no-compile", action="store_true", help="run the drafter step eagerly "
-                   "(debugging only; dense flex backward on GPU)")
-group.add_argument("--no-cuda-graphs", action="store_true", help="queue every kernel from Python "
-                   "even where a pass is launch-bound (by default such a target forward or drafter "
-                   "step is measured at start and then replayed from a CUDA graph)")
-group.add_argument("--cache-dir", default=None, help="root of the per-rank Triton/Inductor caches "
-                   "(default /tmp/dflash-cache-USER)")
+group.add_argument("--no-compile", action="store_true",
+                   help="run the drafter step eagerly (debugging; dense flex backward on GPU)")
+group.add_argument("--no-cuda-graphs", action="store_true",
+                   help="no CUDA graph replays, even of launch-bound passes (measured at start)")
+group.add_argument("--cache-dir", default=None,
+                   help="root of the per-rank Triton/Inductor caches (/tmp/dflash-cache-USER)")
 group.add_argument("--fresh-cache", action="store_true",
                    help="empty this run's Triton/Inductor cache dirs first")
-group.add_argument("--split-layer", default=None, help="a pair runs the target's layers K.. (up "
-                   "to the last tapped one) on its drafter GPU, from the hidden state after layer "
-                   "K-1: K, 0 (nothing moved) or auto (K from the layer and drafter-step times "
-                   "measured on the first rows at start); default: auto on a multi-GPU job, else 0")
+group.add_argument("--split-layer", default=None,
+                   help="K: a pair runs target layers K..last tap on its drafter GPU; 0: none; "
+                   "auto (default on a multi-GPU job): K from times measured at start")
 group.add_argument("--timeout", type=number(float, 0, above=True), default=900,
-                   help="seconds a rank waits for a peer before failing (covers the first "
-                   "compile)")
+                   help="seconds a rank waits for a peer before failing (covers the first compile)")
 args = parser.parse_args()
 if args.wandb:
     try:
@@ -212,22 +205,6 @@ def sync():
     if cuda:
         torch.cuda.current_stream(device).synchronize()
 
-def launch_bound(what, fn, *a):
-    """fn(*a), and whether a CUDA graph would speed it up: when the GPU is done within a quarter of
-    the host's queueing time after the host is, the host sets the pace (a small model: the demo's
-    drafter step queues for ~16 ms and the GPU ends 0.1 ms later; a 27B step runs ~800 ms on the
-    GPU, far longer than it takes to queue)."""
-    sync()
-    t0 = time.perf_counter()
-    out = fn(*a)
-    t1 = time.perf_counter()
-    sync()
-    host, drain = (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3
-    bound = drain < host / 4
-    print0(f"{what}: {host:.1f} ms to queue, GPU done {drain:.1f} ms later: "
-           + ("launch-bound, replayed from a CUDA graph from now on" if bound else "run eagerly"))
-    return out, bound
-
 # -----------------------------------------------------------------------------
 # the output dir: one run at a time, and no finished run replaced by accident (the log rank
 # writes it, and holds OUT/lock for the run's life: the OS drops the lock when the process dies)
@@ -268,10 +245,7 @@ if rank == log_rank:
         print0(f"removed {len(stale)} file(s) a stopped run left half-written: {' '.join(stale)}")
 
 # -----------------------------------------------------------------------------
-# configs, and the drafter's start-up self-check: before any update, this torch's compiled flex
-# step must equal the dense step on this run's layout (model.flex_matches_dense). A second process
-# with its own caches runs it while this one starts (~12 s of compiling on a cold cache, hidden
-# behind the data, the target's autotuning and this step's compile), at a lower CPU priority
+# configs
 
 preset = not os.path.isdir(args.target)
 try:
@@ -285,46 +259,69 @@ try:
                                      sliding_window=args.sliding_window)
 except ValueError as e:
     sys.exit(f"error: --sliding-window {args.sliding_window}: {e}")
-self_check = ("skipped (--no-compile: no compiled flex step)" if cuda else
-              "skipped (CPU: the dense path is the only one; flex has no CPU backward)")
-checker = None
+try:
+    import triton
+    triton_version = triton.__version__
+except ImportError:
+    triton_version = "-"
 
-def start_self_check():
-    global checker, check_log, check_out, self_check
-    if not (runs_drafter and cuda and not args.no_compile):
-        return
-    check_log, check_out = tempfile.TemporaryFile(), tempfile.NamedTemporaryFile(suffix=".json")
-    env = dict(os.environ, **{v: os.path.join(rank_cache, "self-check", d) for v, d in
-                              (("TRITON_CACHE_DIR", "triton"),
-                               ("TORCHINDUCTOR_CACHE_DIR", "inductor"))})
-    checker = subprocess.Popen(
-        [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "model.py"),
-         "--self-check", json.dumps(vars(dcfg)), str(device), check_out.name], env=env,
-        stdout=check_log, stderr=check_log)
-    os.setpriority(os.PRIO_PROCESS, checker.pid, 10)
-    self_check = f"in a second process (pid {checker.pid}), joined before the first update"
+# -----------------------------------------------------------------------------
+# the drafter's start-up self-check: before any update, this torch's compiled flex step must equal
+# the dense step on this run's layout (model.flex_matches_dense). A second process with its own
+# caches runs it while this one starts, at a lower CPU priority: its compile hides behind the
+# data, the target's autotuning and this process's own compile
 
-def finish_self_check():
-    global self_check, checker
-    if checker.wait():
-        check_log.seek(0)
-        why = (check_log.read().decode(errors="replace").strip().splitlines() or ["?"])[-1]
-        sys.exit(f"error: self-check (python model.py --self-check ...) failed to run: {why}")
-    out_err, grad_err, seconds = json.load(open(check_out.name))
-    self_check = (f"compiled flex_attention == dense attention, {'+'.join(dcfg.windows())} "
-                  f"masks: output rel err {out_err:.1e}, max grad (q, k, v) rel err "
-                  f"{grad_err:.1e} ({seconds:.0f} s, second process)")
-    if not (out_err < 1e-3 and grad_err < 1e-3):
-        sys.exit(f"error: self-check failed: {self_check}; flex_attention of torch "
-                 f"{torch.__version__} / triton {triton_version} computes wrong attention "
-                 "on this GPU; use another torch release")
-    print0(f"self-check: {self_check}")
-    if wandb_run:
-        wandb_run.config.update(dict(self_check=self_check), allow_val_change=True)
-    checker = None
+class SelfCheck:
+    """python model.py --self-check in a second process: start(config) it, join() it before the
+    first update. status: what the banner and W&B report."""
+    def __init__(self):
+        self.process = None
+        self.status = ("skipped (--no-compile: no compiled flex step)" if cuda else
+                       "skipped (CPU: the dense path is the only one; flex has no CPU backward)")
 
+    def start(self, config):
+        if not (runs_drafter and cuda and not args.no_compile):
+            return
+        self.config = config
+        self.log = tempfile.TemporaryFile()
+        self.out = tempfile.NamedTemporaryFile(suffix=".json")
+        env = dict(os.environ, **{v: os.path.join(rank_cache, "self-check", d) for v, d in
+                                  (("TRITON_CACHE_DIR", "triton"),
+                                   ("TORCHINDUCTOR_CACHE_DIR", "inductor"))})
+        self.process = subprocess.Popen(
+            [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "model.py"),
+             "--self-check", json.dumps(vars(config)), str(device), self.out.name], env=env,
+            stdout=self.log, stderr=self.log)
+        os.setpriority(os.PRIO_PROCESS, self.process.pid, 10)
+        self.status = (f"in a second process (pid {self.process.pid}), joined before the first "
+                       "update")
+
+    def join(self, wandb_run):
+        """Waits for the check, if one runs: a failure stops the run; a pass is printed and sent to
+        W&B (wandb_run, or None)."""
+        if self.process is None:
+            return
+        if self.process.wait():
+            self.log.seek(0)
+            why = (self.log.read().decode(errors="replace").strip().splitlines() or ["?"])[-1]
+            sys.exit(f"error: self-check (python model.py --self-check ...) failed to run: {why}")
+        out_err, grad_err, seconds = json.load(open(self.out.name))
+        self.status = (f"compiled flex_attention == dense attention, "
+                       f"{'+'.join(self.config.windows())} masks: output rel err {out_err:.1e}, "
+                       f"max grad (q, k, v) rel err {grad_err:.1e} ({seconds:.0f} s, second "
+                       "process)")
+        if not (out_err < 1e-3 and grad_err < 1e-3):
+            sys.exit(f"error: self-check failed: {self.status}; flex_attention of torch "
+                     f"{torch.__version__} / triton {triton_version} computes wrong attention "
+                     "on this GPU; use another torch release")
+        print0(f"self-check: {self.status}")
+        if wandb_run:
+            wandb_run.config.update(dict(self_check=self.status), allow_val_change=True)
+        self.process = None
+
+self_check = SelfCheck()
 if not args.init_drafter:
-    start_self_check()
+    self_check.start(dcfg)
 
 # -----------------------------------------------------------------------------
 # data: the demo dataset is made on first use (the tiny target's greedy continuations)
@@ -364,12 +361,6 @@ nothing = ("its loss mask is all zero; check the loss_mask of its input lines" i
            f"(truncated); raise --budget (longest sample: {train_ds.lengths.max()} tokens)"
            if lost == supervised else "no supervised token whose next token is supervised too "
            f"(an anchor) in its first {len(demand)} rows; check its loss_mask")
-
-try:
-    import triton
-    triton_version = triton.__version__
-except ImportError:
-    triton_version = "-"
 
 # -----------------------------------------------------------------------------
 # models: target ranks load the layers up to the last tapped one, drafters embed_tokens + lm_head
@@ -457,143 +448,22 @@ if runs_drafter:
     # the drafter's parameters are fp32 (AdamW's master weights); its step computes in bf16 on GPU
     opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
     flex = flex_kernel_options(device) if cuda else None            # flex_attention tiles
+    params = list(drafter.parameters())
     if args.init_drafter:
-        start_self_check()      # on the init drafter's own layout
+        self_check.start(dcfg)      # on the init drafter's own layout
     # (--no-compile runs flex eagerly on purpose)
     if cuda and not args.no_compile:
         warnings.filterwarnings("error", message=".*flex_attention called without torch.compile.*")
-
-def lr_at(step):
-    warm = max(1, round(args.warmup * max_steps))
-    if step < warm:
-        return args.lr * (step + 1) / warm
-    return args.lr * 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, max_steps - warm)))
-
-# -----------------------------------------------------------------------------
-# the protocol: both roles walk the same schedule, so targets and drafters never talk about it
-
-def schedule(start):
-    """Yields (step, kind, eval row). Every "train" and "eval" item moves one row target ->
-    drafter; every "log" item is one stats exchange in which every rank takes part; "save" is the
-    log rank's alone (it writes --out)."""
-    for step in range(start, max_steps + 1):
-        if step > start and (step % args.save_interval == 0 or step == max_steps):
-            yield step, "save", None
-        if eval_rows and (step % args.eval_interval == 0 or step == max_steps):
-            for r in range(len(eval_rows)):
-                yield step, "eval", r
-        if step < max_steps:
-            yield step, "train", None
-        if step < max_steps and ((step + 1) % args.log_interval == 0 or step + 1 == max_steps):
-            yield step, "log", None
-
-# a row travels as two tensors: features [budget, n_feat * hidden] and fields int64 [5, budget]
-# where: (epoch, row index), for the non-finite log
-ROW_FIELDS = ("tokens", "loss_mask", "doc", "pos", "where")
-
-def pack_row(row):
-    where = np.zeros(budget, dtype=np.int64)
-    where[:2] = row.epoch, row.index
-    arrays = [row.tokens, row.loss_mask.astype(np.int64), row.doc.astype(np.int64), row.pos, where]
-    return upload(torch.from_numpy(np.stack(arrays)), device)
-
-def unpack_row(packed):
-    return dict(zip(ROW_FIELDS, packed))
-
-# launch-bound passes (a small model) are replayed from CUDA graphs, decided on this run's own
-# timing (launch_bound); not with an eager drafter step (debugging), not for MoE targets
-graphs_wanted = cuda and not args.no_compile and not args.no_cuda_graphs
-target_rows, feature_graphs = 0, None
-
-def load_row(kind, r):
-    """([target features], packed fields) of the next row of `kind` (target ranks, world size 1):
-    one upload, whose tokens row feeds the target, made before its forward is queued. A split
-    pair's target sends [taps below K (if any), hidden state after layer K-1] instead."""
-    global target_rows, feature_graphs
-    row = eval_rows[r] if kind == "eval" else packer.next_row()
-    packed = pack_row(row)
-    cu = torch.from_numpy(row.cu_seqlens)
-    if not split:
-        if feature_graphs:
-            return [feature_graphs(packed[0], cu)], packed
-        target_rows += kind == "train"
-        # the first train row autotunes fla's kernels; the second is timed
-        if target_rows == 2 and graphs_wanted and not tcfg.num_experts:
-            feats, bound = launch_bound("target forward", target.features, packed[0], cu, taps)
-            feature_graphs = FeatureGraphs(target, taps) if bound else None
-            return [feats], packed
-        return [target.features(packed[0], cu, taps)], packed
-    below, hidden = target.features(packed[0], cu, taps, stop=split)
-    return [below, hidden] if below.numel() else [hidden], packed
-
-def mark():
-    # a point in time on this rank's GPU stream (no host sync); the host clock on CPU, where work is
-    # synchronous
-    if cuda:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-    return time.perf_counter()
-
-def ms(a, b):
-    return a.elapsed_time(b) if cuda else (b - a) * 1e3
-
-def gather_stats(target_ms, mem_gib):
-    # one small all-reduce over every rank per log line: row r holds rank r's (target ms, peak GiB)
-    stats = torch.zeros(world, 2)
-    stats[rank] = torch.tensor([target_ms, mem_gib])
-    if world > 1:
-        dist.all_reduce(stats, group=stats_group)
-    return stats
-
-def peak_gib():
-    return torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0
-
-# -----------------------------------------------------------------------------
-# --split-layer: a pair's target layers K..last move to its drafter GPU. Both roles measure on the
-# next rows this pair trains on, the ranks swap their numbers, and every rank picks the same K
-
-SPLIT_ROWS = 4          # rows timed after one warm-up; K is chosen for the median row
-
-def split_rows():
-    # a packer of their own: the run's data position is untouched
-    rows = Packer(train_ds, budget, n_shards=n_pairs, shard=pair, seed=args.seed)
-    rows.seek(start_step)
-    return [rows.next_row() for _ in range(SPLIT_ROWS)]
-
-def agree_split(mine):
-    """This rank's measurements -> K, the same on every rank (the same numbers, the same choice).
-    mine: a target rank's [ms of layers 0..last, bytes of their weights, the largest layer's
-    activation bytes]; a drafter rank's [step ms, bytes its step holds, usable bytes of its GPU]."""
-    L = last + 1
-    table = torch.zeros(world, 2 * L + 1, dtype=torch.float64)
-    table[rank, :len(mine)] = torch.tensor(mine, dtype=torch.float64)
-    dist.all_reduce(table, group=stats_group)
-    t, d = table[target_ranks].numpy(), table[drafter_ranks].numpy()
-    # besides the moved weights, the drafter GPU holds the received taps below K and hidden state
-    # (at most n_feat rows of features) and the largest layer's activations
-    extra = n_feat * budget * tcfg.hidden_size * tdtype.itemsize + t[:, 2 * L]
-    try:
-        c = choose_split(t[:, :L], d[:, 0], t[0, L:2 * L], d[:, 1] + extra,
-                         d[:, 2] if cuda else None, None if split == "auto" else split)
-    except ValueError as e:
-        sys.exit(f"error: --split-layer {split}: {e}" if rank == log_rank else 1)
-    K, gib = c["K"], lambda b: b.max() / 2**30
-    print0(f"split: target layers 0..{last} measured on {SPLIT_ROWS} rows, median per layer "
-           f"{np.median(t[:, :L]):.1f} ms (min {t[:, :L].min():.1f}, max {t[:, :L].max():.1f}), "
-           f"{t[:, :L].sum(1).max():.0f} ms in all; drafter step (forward + backward) "
-           f"{d[:, 0].max():.0f} ms" + (f", holding {gib(d[:, 1]):.1f} GiB" if cuda else ""))
-    moved = f"layers {K}..{last} on the drafter GPU" if K else "nothing moved"
-    busy = c["target"][K].max() / c["step"][K], c["drafter"][K].max() / c["step"][K]
-    print0(f"split: --split-layer {K} ({moved}): predicted step {c['step'][K]:.0f} ms (unsplit "
-           f"{c['step'][0]:.0f} ms), busy target {busy[0]:.0%} drafter {busy[1]:.0%}"
-           + (f"; drafter GPU {gib(c['need'][K]):.1f} of {gib(d[:, 2]):.1f} GiB usable"
-              if cuda and K else ""))
-    if split == "auto" and c["fastest"] != K:
-        f = c["fastest"]
-        print0(f"split: --split-layer {f} would be faster ({c['step'][f]:.0f} ms) but needs "
-               f"{gib(c['need'][f]):.1f} GiB of the drafter GPU's {gib(d[:, 2]):.1f} usable")
-    return K
+    # the drafter step (model.drafter_step): the row's anchors, then forward and loss compiled as
+    # one graph (model.drafter_loss); every call has the same shapes
+    loss_fn = drafter_loss
+    if not args.no_compile:
+        # a recompile after warm-up, or a hit recompile limit, would silently run flex_attention's
+        # dense backward: both are errors instead
+        torch._dynamo.config.fail_on_recompile_limit_hit = True
+        loss_fn = torch.compile(drafter_loss, fullgraph=True, dynamic=False)
+    step_fn = functools.partial(drafter_step, drafter, per_doc=per_doc, capacity=row_anchors,
+                                embed=embed, head=head, gamma=args.gamma, flex=flex, loss=loss_fn)
 
 # -----------------------------------------------------------------------------
 # resume: the drafter ranks read the checkpoint; every rank learns the step from the log rank
@@ -686,7 +556,7 @@ if runs_drafter:
     order = " ".join(t.split("_")[0] for t in dcfg.layer_types)
     print0(f"drafter layout: {' + '.join(kinds)}, in order {order}; "
            f"rope theta {dcfg.rope_theta:g}, scaling {dcfg.rope_scaling}")
-    print0(f"self-check: {self_check}")
+    print0(f"self-check: {self_check.status}")
 print0(f"data: {data_dir} ({len(train_ds)} samples), {steps_per_epoch} steps/epoch of {n_pairs} x "
        f"{budget} tokens, {max_steps} steps, truncated samples per epoch: {packer.truncated} "
        f"({packer.truncated_tokens} tokens, {lost} of {supervised} supervised); "
@@ -700,100 +570,160 @@ print0(f"anchors: up to {per_doc} per document, {row_anchors} per row ({sized_by
        f"{row_anchors * block_size} query tokens per row")
 
 # -----------------------------------------------------------------------------
-# target ranks: run ahead of the drafter with at most two rows in flight (double-buffered isends)
+# the log: OUT/log.jsonl (README: Reading the log), the console and W&B, all from the log rank
 
-if role == "target":
-    if split:
-        # every layer up to the last tap timed on this pair's next rows, after a warm-up forward
-        rows = [(pack_row(row)[0], torch.from_numpy(row.cu_seqlens)) for row in split_rows()]
-        target.features(*rows[0], taps)
-        runs = [target.time_layers(ids, cu, last + 1) for ids, cu in rows]
-        weights = [sum(p.numel() * p.element_size() for p in layer.parameters())
-                   for layer in target.layers]
-        split = agree_split([*np.median([t for t, _ in runs], 0), *weights,
-                             max(max(act) for _, act in runs)])
-        for i in range(split, last + 1 if split else 0):
-            target.layers[i] = None                 # now on the drafter GPU
-        if cuda:
-            torch.cuda.empty_cache()
-    inflight, forwards = [], []
-    for step, kind, r in schedule(start_step):
-        if kind in ("eval", "train"):
-            # the host waits for this GPU's previous row (and for the send it waits on) before it
-            # queues the next: rows in flight stay bounded, as their features stay allocated
-            sync()
-            t0 = mark()
-            feats, packed = load_row(kind, r)
-            forwards.append((t0, mark()))
-            # one batched P2P op per row: NCCL serializes unbatched sends with every other op on the
-            # group
-            ops = [dist.P2POp(dist.isend, t, peer) for t in (*feats, packed)]
-            inflight.append((dist.batch_isend_irecv(ops), feats, packed))
-            if len(inflight) > 2:        # reuse a slot only once the drafter has taken its row
-                for work in inflight.pop(0)[0]:
-                    work.wait()
-        elif kind == "log":
-            sync()
-            gather_stats(sum(ms(a, b) for a, b in forwards) / max(len(forwards), 1), peak_gib())
-            forwards = []
-    for works, _, _ in inflight:
-        for work in works:
-            work.wait()
-    sync()
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.exit(0)
+log_file = open(os.path.join(args.out, "log.jsonl"), "a") if rank == log_rank else None
+wandb_run = None
+if args.wandb and rank == log_rank:
+    # the config: the args and the banner's facts
+    try:
+        wandb_run = wandb.init(project=args.wandb, name=args.wandb_name, config=dict(
+            vars(args), world=world, pairs=n_pairs, devices=[i["device"] for i in infos],
+            torch=torch.__version__, triton=triton_version, target_layers=tcfg.num_hidden_layers,
+            taps=taps, drafter_layout=dcfg.layer_types, drafter_params=n_params,
+            row_capacity=row_anchors, steps=max_steps, self_check=self_check.status))
+    except wandb.errors.Error as e:     # e.g. no API key
+        sys.exit(f"error: --wandb {args.wandb}: {e} (or log offline: WANDB_MODE=offline)")
+
+def log(record, line):
+    # the record first: a step a user saw on screen is on disk too, whatever kills the job next
+    record.setdefault("elapsed_s", round(time.perf_counter() - t_launch, 2))
+    if log_file:
+        log_file.write(json.dumps(record) + "\n")
+        log_file.flush()
+    if wandb_run and record["kind"] in ("train", "eval", "generate"):
+        # W&B: one key per number, "train/loss", "eval/slot_acc/3"
+        kind = record["kind"]
+        wandb_run.log({f"{kind}/{k}" + (f"/{i}" if isinstance(v, list) else ""): x
+                 for k, v in record.items() if k not in ("kind", "step")
+                 for i, x in enumerate(v if isinstance(v, list) else [v])
+                 if isinstance(x, (int, float))}, step=record["step"])
+    print0(line)
+
+def hms(seconds):
+    s = int(seconds)
+    d, h, m = s // 86400, s // 3600 % 24, s // 60 % 60
+    return (f"{d}d{h:02d}h" if d else f"{h}h{m:02d}m" if h else f"{m}m{s % 60:02d}s" if m
+            else f"{s}s")
+
+# =============================================================================
+# definitions the loops use
 
 # -----------------------------------------------------------------------------
-# drafter ranks (and world size 1): receive rows, train
+# the schedule: both roles walk it, so targets and drafters never talk about it
 
-recv_buf = None
-if world > 1:
-    recv_buf = (torch.empty(budget, n_feat * tcfg.hidden_size, dtype=tdtype, device=device),
-                torch.empty(len(ROW_FIELDS), budget, dtype=torch.int64, device=device))
-# world size 1: (start, end) of each target forward run here
-local_forwards = []
+def schedule(start):
+    """Yields (step, kind, eval row). Every "train" and "eval" item moves one row target ->
+    drafter; every "log" item is one stats exchange in which every rank takes part; "save" is the
+    log rank's alone (it writes --out)."""
+    for step in range(start, max_steps + 1):
+        if step > start and (step % args.save_interval == 0 or step == max_steps):
+            yield step, "save", None
+        if eval_rows and (step % args.eval_interval == 0 or step == max_steps):
+            for r in range(len(eval_rows)):
+                yield step, "eval", r
+        if step < max_steps:
+            yield step, "train", None
+        if step < max_steps and ((step + 1) % args.log_interval == 0 or step + 1 == max_steps):
+            yield step, "log", None
 
-def next_row(kind, r):
-    """The next (feats, packed row fields) from this pair's target; in world size 1 the target runs
-    here."""
-    if world == 1:
-        t0 = mark()
-        feats, packed = load_row(kind, r)
-        if kind == "train":
-            local_forwards.append((t0, mark()))
-        # autograd cannot save inference tensors (FeatureGraphs' replays return a copy already)
-        return feats[0].clone() if feats[0].is_inference() else feats[0], packed
-    # the receive is posted only now, queued behind the previous step: a receive posted earlier
-    # keeps an NCCL kernel resident on this GPU's SMs through the whole step; the target queued its
-    # send long ago
-    bufs = [*split_bufs, recv_buf[1]] if split else recv_buf
-    for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, t, peer) for t in bufs]):
-        work.wait()
-    if split:
-        # the target's layers K..last, here, from the hidden state after layer K-1; this pair's row
-        # is walked here too, so its document bounds are on the host without a device sync
-        row = eval_rows[r] if kind == "eval" else packer.next_row()
-        t0 = mark()
-        top = upper.features(None, torch.from_numpy(row.cu_seqlens), taps, h=split_bufs[-1])
-        torch.cat([*split_bufs[:-1], top], dim=-1, out=recv_buf[0])
-        if kind == "train":
-            local_forwards.append((t0, mark()))
-    return recv_buf[0], recv_buf[1]
+def events_after(step, interval):
+    # evals or saves the schedule has left after `step`: every interval-th step, and the last
+    return max_steps // interval - step // interval + (max_steps % interval > 0)
 
-# the drafter step (model.drafter_step): anchors, then forward and loss compiled as one graph
-loss_fn = drafter_loss
-if not args.no_compile:
-    # a recompile after warm-up, or a hit recompile limit, would silently run flex_attention's dense
-    # backward (~17 GB per layer at 512 anchors / 8192 budget): both are errors instead
-    torch._dynamo.config.fail_on_recompile_limit_hit = True
-    loss_fn = torch.compile(drafter_loss, fullgraph=True, dynamic=False)
-step_fn = functools.partial(drafter_step, drafter, per_doc=per_doc, capacity=row_anchors,
-                            embed=embed, head=head, gamma=args.gamma, flex=flex, loss=loss_fn)
+def lr_at(step):
+    warm = max(1, round(args.warmup * max_steps))
+    if step < warm:
+        return args.lr * (step + 1) / warm
+    return args.lr * 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, max_steps - warm)))
+
+# -----------------------------------------------------------------------------
+# a row as tensors, and time on the GPU
+
+# packed fields, int64 [5, budget]; where: (epoch, row index), for the non-finite log
+ROW_FIELDS = ("tokens", "loss_mask", "doc", "pos", "where")
+
+def pack_row(row):
+    where = np.zeros(budget, dtype=np.int64)
+    where[:2] = row.epoch, row.index
+    arrays = [row.tokens, row.loss_mask.astype(np.int64), row.doc.astype(np.int64), row.pos, where]
+    return upload(torch.from_numpy(np.stack(arrays)), device)
+
+def unpack_row(packed):
+    return dict(zip(ROW_FIELDS, packed))
+
+def mark():
+    # a point in time on this rank's GPU stream (no host sync); the host clock on CPU, where work is
+    # synchronous
+    if cuda:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    return time.perf_counter()
+
+def ms(a, b):
+    return a.elapsed_time(b) if cuda else (b - a) * 1e3
+
+def gather_stats(target_ms, mem_gib):
+    # one small all-reduce over every rank per log line: row r holds rank r's (target ms, peak GiB)
+    stats = torch.zeros(world, 2)
+    stats[rank] = torch.tensor([target_ms, mem_gib])
+    if world > 1:
+        dist.all_reduce(stats, group=stats_group)
+    return stats
+
+def peak_gib():
+    return torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0
+
+# launch-bound passes (a small model) are replayed from CUDA graphs, decided on this run's own
+# timing (launch_bound); not with an eager drafter step (debugging), not for MoE targets
+graphs_wanted = cuda and not args.no_compile and not args.no_cuda_graphs
+
+def launch_bound(what, fn, *a):
+    """fn(*a), and whether a CUDA graph would speed it up: when the GPU is done within a quarter of
+    the host's queueing time after the host is, the host sets the pace (a small model's step; a
+    large one runs far longer on the GPU than it takes to queue)."""
+    sync()
+    t0 = time.perf_counter()
+    out = fn(*a)
+    t1 = time.perf_counter()
+    sync()
+    host, drain = (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3
+    bound = drain < host / 4
+    print0(f"{what}: {host:.1f} ms to queue, GPU done {drain:.1f} ms later: "
+           + ("launch-bound, replayed from a CUDA graph from now on" if bound else "run eagerly"))
+    return out, bound
+
+# -----------------------------------------------------------------------------
+# the drafter's update (drafter ranks)
+
+# The metrics of a window live in one device tensor (one all-reduce, no host sync per step), named
+# here only. blocks: anchors kept; wanted: anchors the rows asked for before the capacity cut;
+# gnorm: the same on every drafter (gradients are averaged before clipping)
+METRICS = dict(loss=1, accept_sum=1, blocks=1, wanted=1, nonfinite=1, gnorm=1,
+               slot_correct=block_size, slot_count=block_size)
+
+def pack_metrics(out, wanted, nonfinite, gnorm):
+    loss, gnorm = (x.detach().float().nan_to_num(0.0) for x in (out["loss"], gnorm))
+    parts = [loss, out["accept_sum"], out["blocks"], wanted, nonfinite, gnorm,
+             out["slot_correct"], out["slot_count"]]
+    return torch.cat([p.float().view(-1) for p in parts])
+
+def unpack_metrics(packed):
+    values, at = {}, 0
+    for name, size in METRICS.items():
+        values[name] = packed[at:at + size] if size > 1 else packed[at]
+        at += size
+    return values
+
+def reduce_drafters(t):
+    if world > 1:
+        dist.all_reduce(t, group=drafter_group)
+    return t
 
 def update(feats, row):
-    """One optimizer step on one row: anchors, the compiled forward and backward, clip, AdamW.
-    Nothing in it syncs with the host, so it can be captured as a CUDA graph. Returns the
+    """One optimizer step on one row: the drafter step (anchors, compiled forward), backward, clip,
+    AdamW. Nothing in it syncs with the host, so it can be captured as a CUDA graph. Returns the
     window's metrics of the step and its non-finite flag (then AdamW skipped the update)."""
     out, wanted = step_fn(feats, row)
     out["loss"].backward()
@@ -821,38 +751,303 @@ def capture_update(feats, packed, step):
         outputs = update(inputs[0], unpack_row(inputs[1]))
     return graph, inputs, outputs
 
-if split:
-    # the drafter step timed on this pair's next rows (the first call compiles it): forward,
-    # backward and clip as in training, but no optimizer step, grads dropped and the global RNG
-    # restored, so the run trains exactly as an unsplit one
-    marks = []
-    with torch.random.fork_rng(devices=[device] if cuda else []):
-        recv_buf[0].zero_()
-        rows = split_rows()
-        for i, row in enumerate([rows[0], *rows]):
-            if i == 1 and cuda:     # the peak of a step, not of compiling (autotuning) it
-                torch.cuda.reset_peak_memory_stats(device)
-            recv_buf[1].copy_(pack_row(row))
+# -----------------------------------------------------------------------------
+# the pair protocol. Per "train" and "eval" item of the schedule the target sends its drafter one
+# row, in one batched P2P op (NCCL serializes unbatched sends with every other op on the group):
+#   features  [budget, n_feat * hidden] in the target's dtype (bf16; fp32 on CPU): the taps' outputs
+#   fields    [5, budget] int64: ROW_FIELDS
+# A pair split at layer K (--split-layer) sends, instead of the features, the taps below K
+# [budget, n_below * hidden] (none below the first tap) and the hidden state after layer K-1
+# [budget, hidden], same dtype; its drafter runs layers K..last and concatenates the features.
+# The target runs ahead: it queues a row's forward once its GPU is done with the previous row,
+# posts the row's send without waiting, and then waits for the send of two rows before: at most
+# two rows are in flight while it computes the next, their tensors held until taken (double-
+# buffered sends). The drafter posts its receive only when it takes the row. Every "log" item is
+# one all-reduce of (target ms, peak GiB) over all ranks, on gloo. World size 1: one process
+# plays both sides and nothing travels.
+
+# --split-layer: a pair's target layers K..last move to its drafter GPU. Both sides measure on the
+# next rows this pair trains on (move_layers), the ranks swap their numbers, and every rank picks
+# the same K
+
+SPLIT_ROWS = 4          # rows timed after one warm-up; K is chosen for the median row
+
+def split_rows():
+    # a packer of their own: the run's data position is untouched
+    rows = Packer(train_ds, budget, n_shards=n_pairs, shard=pair, seed=args.seed)
+    rows.seek(start_step)
+    return [rows.next_row() for _ in range(SPLIT_ROWS)]
+
+def agree_split(mine):
+    """This rank's measurements -> K, the same on every rank (the same numbers, the same choice).
+    mine: a target rank's [ms of layers 0..last, bytes of their weights, the largest layer's
+    activation bytes]; a drafter rank's [step ms, bytes its step holds, usable bytes of its GPU]."""
+    L = last + 1
+    table = torch.zeros(world, 2 * L + 1, dtype=torch.float64)
+    table[rank, :len(mine)] = torch.tensor(mine, dtype=torch.float64)
+    dist.all_reduce(table, group=stats_group)
+    t, d = table[target_ranks].numpy(), table[drafter_ranks].numpy()
+    # besides the moved weights, the drafter GPU holds the received taps below K and hidden state
+    # (at most n_feat rows of features) and the largest layer's activations
+    extra = n_feat * budget * tcfg.hidden_size * tdtype.itemsize + t[:, 2 * L]
+    try:
+        c = choose_split(t[:, :L], d[:, 0], t[0, L:2 * L], d[:, 1] + extra,
+                         d[:, 2] if cuda else None, None if split == "auto" else split)
+    except ValueError as e:
+        sys.exit(f"error: --split-layer {split}: {e}" if rank == log_rank else 1)
+    K, gib = c["K"], lambda b: b.max() / 2**30
+    print0(f"split: target layers 0..{last} measured on {SPLIT_ROWS} rows, median per layer "
+           f"{np.median(t[:, :L]):.1f} ms (min {t[:, :L].min():.1f}, max {t[:, :L].max():.1f}), "
+           f"{t[:, :L].sum(1).max():.0f} ms in all; drafter step (forward + backward) "
+           f"{d[:, 0].max():.0f} ms" + (f", holding {gib(d[:, 1]):.1f} GiB" if cuda else ""))
+    moved = f"layers {K}..{last} on the drafter GPU" if K else "nothing moved"
+    busy = c["target"][K].max() / c["step"][K], c["drafter"][K].max() / c["step"][K]
+    print0(f"split: --split-layer {K} ({moved}): predicted step {c['step'][K]:.0f} ms (unsplit "
+           f"{c['step'][0]:.0f} ms), busy target {busy[0]:.0%} drafter {busy[1]:.0%}"
+           + (f"; drafter GPU {gib(c['need'][K]):.1f} of {gib(d[:, 2]):.1f} GiB usable"
+              if cuda and K else ""))
+    if split == "auto" and c["fastest"] != K:
+        f = c["fastest"]
+        print0(f"split: --split-layer {f} would be faster ({c['step'][f]:.0f} ms) but needs "
+               f"{gib(c['need'][f]):.1f} GiB of the drafter GPU's {gib(d[:, 2]):.1f} usable")
+    return K
+
+class TargetSide:
+    """A target rank's side (world size 1: run inside DrafterSide). next(kind, r) -> ([tensors to
+    send], packed fields) of the next row of `kind` (eval: held-out row r): one upload, whose tokens
+    row feeds the target, made before its forward is queued. Unsplit: [features], launch-bound
+    forwards replayed from CUDA graphs (FeatureGraphs) once the second train row is timed so; split
+    at K: [taps below K (if any), hidden state after layer K-1]."""
+    def __init__(self):
+        self.split, self.train_rows, self.graphs = 0, 0, None
+
+    def move_layers(self):
+        """--split-layer, the target rank's part: every layer up to the last tap timed on this
+        pair's next rows, after a warm-up forward; K agreed with the drafter; layers K..last
+        dropped (now on the drafter GPU)."""
+        rows = [(pack_row(row)[0], torch.from_numpy(row.cu_seqlens)) for row in split_rows()]
+        target.features(*rows[0], taps)
+        runs = [target.time_layers(ids, cu, last + 1) for ids, cu in rows]
+        weights = [sum(p.numel() * p.element_size() for p in layer.parameters())
+                   for layer in target.layers]
+        self.split = agree_split([*np.median([t for t, _ in runs], 0), *weights,
+                                  max(max(act) for _, act in runs)])
+        for i in range(self.split, last + 1 if self.split else 0):
+            target.layers[i] = None
+        if cuda:
+            torch.cuda.empty_cache()
+
+    def next(self, kind, r):
+        row = eval_rows[r] if kind == "eval" else packer.next_row()
+        packed = pack_row(row)
+        cu = torch.from_numpy(row.cu_seqlens)
+        if self.split:
+            below, hidden = target.features(packed[0], cu, taps, stop=self.split)
+            return [below, hidden] if below.numel() else [hidden], packed
+        if self.graphs:
+            return [self.graphs(packed[0], cu)], packed
+        self.train_rows += kind == "train"
+        # the first train row autotunes fla's kernels; the second is timed
+        if self.train_rows == 2 and graphs_wanted and not tcfg.num_experts:
+            feats, bound = launch_bound("target forward", target.features, packed[0], cu, taps)
+            self.graphs = FeatureGraphs(target, taps) if bound else None
+            return [feats], packed
+        return [target.features(packed[0], cu, taps)], packed
+
+class DrafterSide:
+    """A drafter rank's side (world size 1: with the target in this process). next(kind, r) ->
+    (features, packed fields) of the next row from this pair's target. forwards: (start, end) marks
+    of each train row's target layers run on this rank (world size 1: all of them; split: K..last),
+    for the log."""
+    def __init__(self):
+        self.split, self.forwards = 0, []
+        self.local = TargetSide() if world == 1 else None
+        if world > 1:
+            self.bufs = (torch.empty(budget, n_feat * tcfg.hidden_size, dtype=tdtype,
+                                     device=device),
+                         torch.empty(len(ROW_FIELDS), budget, dtype=torch.int64, device=device))
+
+    def move_layers(self):
+        """--split-layer, the drafter rank's part: the drafter step timed on this pair's next rows
+        (the first call compiles it): forward, backward and clip as in training, but no optimizer
+        step, grads dropped and the global RNG restored, so the run trains exactly as an unsplit
+        one; K agreed with the target; layers K..last built here, with the receive buffers of the
+        taps below K and the hidden state after K-1."""
+        feats, fields = self.bufs
+        marks = []
+        with torch.random.fork_rng(devices=[device] if cuda else []):
+            feats.zero_()
+            rows = split_rows()
+            for i, row in enumerate([rows[0], *rows]):
+                if i == 1 and cuda:     # the peak of a step, not of compiling (autotuning) it
+                    torch.cuda.reset_peak_memory_stats(device)
+                fields.copy_(pack_row(row))
+                t0 = mark()
+                out = step_fn(feats, unpack_row(fields))[0]
+                out["loss"].backward()
+                torch.nn.utils.clip_grad_norm_(drafter.parameters(), args.grad_clip)
+                marks.append((t0, mark()))
+                opt.zero_grad(set_to_none=True)
+        sync()
+        # and AdamW's exp_avg and exp_avg_sq, made at the first real step
+        held = torch.cuda.max_memory_allocated(device) + 2 * sum(
+            p.numel() * p.element_size() for p in drafter.parameters()) if cuda else 0
+        # 90%: the CUDA context, NCCL's buffers and fragmentation are outside the allocator's count
+        usable = 0.9 * torch.cuda.get_device_properties(device).total_memory if cuda else 0
+        self.split = agree_split([np.median([ms(a, b) for a, b in marks[1:]]), held, usable])
+        if self.split:
+            self.upper = load_target(first=self.split, n_layers=last + 1, head=False)
+            # none below the first tap
+            below = sum(t < self.split for t in taps)
+            self.split_bufs = [torch.empty(budget, n * tcfg.hidden_size, dtype=tdtype,
+                                           device=device)
+                               for n in ([below] if below else []) + [1]]
+
+    def next(self, kind, r):
+        if world == 1:
             t0 = mark()
-            fields = unpack_row(recv_buf[1])
-            out = step_fn(recv_buf[0], fields)[0]
-            out["loss"].backward()
-            torch.nn.utils.clip_grad_norm_(drafter.parameters(), args.grad_clip)
-            marks.append((t0, mark()))
-            opt.zero_grad(set_to_none=True)
-    sync()
-    # and AdamW's exp_avg and exp_avg_sq, made at the first real step
-    held = torch.cuda.max_memory_allocated(device) + 2 * sum(
-        p.numel() * p.element_size() for p in drafter.parameters()) if cuda else 0
-    # 90%: the CUDA context, NCCL's buffers and fragmentation are outside the allocator's count
-    usable = 0.9 * torch.cuda.get_device_properties(device).total_memory if cuda else 0
-    split = agree_split([np.median([ms(a, b) for a, b in marks[1:]]), held, usable])
-    if split:
-        upper = load_target(first=split, n_layers=last + 1, head=False)
-        # received: the taps below K (none below the first tap) and the hidden state after K-1
-        below = sum(t < split for t in taps)
-        split_bufs = [torch.empty(budget, n * tcfg.hidden_size, dtype=tdtype, device=device)
-                      for n in ([below] if below else []) + [1]]
+            feats, packed = self.local.next(kind, r)
+            if kind == "train":
+                self.forwards.append((t0, mark()))
+            # autograd cannot save inference tensors (FeatureGraphs' replays return a copy already)
+            return feats[0].clone() if feats[0].is_inference() else feats[0], packed
+        # the receive is posted only now, queued behind the previous step: a receive posted earlier
+        # keeps an NCCL kernel resident on this GPU's SMs through the whole step; the target queued
+        # its send long ago
+        bufs = [*self.split_bufs, self.bufs[1]] if self.split else self.bufs
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, t, peer) for t in bufs]):
+            work.wait()
+        if self.split:
+            # the target's layers K..last, here, from the hidden state after layer K-1; this pair's
+            # row is walked here too, so its document bounds are on the host without a device sync
+            row = eval_rows[r] if kind == "eval" else packer.next_row()
+            t0 = mark()
+            top = self.upper.features(None, torch.from_numpy(row.cu_seqlens), taps,
+                                      h=self.split_bufs[-1])
+            torch.cat([*self.split_bufs[:-1], top], dim=-1, out=self.bufs[0])
+            if kind == "train":
+                self.forwards.append((t0, mark()))
+        return self.bufs
+
+    def target_shapes(self):
+        # row shapes the target has run or captured (world size 1, graphs on): a step that adds
+        # one is a one-off for the ETA
+        graphs = self.local and self.local.graphs
+        return graphs and len(graphs.seen) + len(graphs.graphs)
+
+# -----------------------------------------------------------------------------
+# the train step's one-offs: the CUDA-graph capture, the fused-backward check, the ETA
+
+class Updates:
+    """update() for each train step: eagerly, or replayed from a CUDA graph once the one step timed
+    for it (the third of the run, one pair only: all-reduced gradients stay eager) was
+    launch-bound. updates(step, feats, packed) -> ((metrics, nonfinite flag), whether it was the
+    timed step)."""
+    def __init__(self):
+        self.graph = None           # (graph, input buffers, outputs) once update() is captured
+
+    def __call__(self, step, feats, packed):
+        timed = step == start_step + 2 and graphs_wanted and n_pairs == 1
+        if self.graph:
+            graph, inputs, outputs = self.graph
+            inputs[0].copy_(feats), inputs[1].copy_(packed), inputs[2].fill_(lr_at(step))
+            graph.replay()
+            return outputs, timed
+        for group_ in opt.param_groups:
+            group_["lr"] = lr_at(step)
+        # compiled and its fused backward checked: timed
+        if timed:
+            outputs, bound = launch_bound("drafter step", update, feats, unpack_row(packed))
+            self.graph = capture_update(feats, packed, step) if bound else None
+        else:
+            outputs = update(feats, unpack_row(packed))
+        if step == start_step and not args.no_compile:
+            # warm: from now on a recompile is an error
+            torch._dynamo.config.error_on_recompile = True
+        return outputs, timed
+
+class FusedBackwardCheck:
+    """The first train step after the one that compiled runs under the profiler (around the
+    compile it would also record every autotuning kernel), which must see the fused flex_attention
+    backward of every layer kind: no training on the dense fallback. `with check(step) as
+    profiled:` around the step."""
+    def __init__(self):
+        self.done, self.prof = not cuda or args.no_compile, None
+
+    def __call__(self, step):
+        if not self.done and step > start_step:
+            # acc_events: torch <= 2.12 warns "Profiler clears events at the end of each cycle"
+            # even without a schedule (fixed by pytorch#180387); with one cycle it changes nothing
+            self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA],
+                                               acc_events=True)
+        self.step = step
+        return self
+
+    def __enter__(self):
+        if self.prof:
+            self.prof.__enter__()
+        return self.prof is not None
+
+    def __exit__(self, exc_type, *exc):
+        prof, self.prof = self.prof, None
+        if prof is None or exc_type is not None:
+            return False
+        # a profiler that records CUDA activity only warns, as it stops, that it could not match
+        # the host's op events to kernels ("Failed to recover relationship between all profiler
+        # and kineto events", torch/csrc/profiler/collection.cpp); only kernel names are read here
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Failed to recover relationship between "
+                                    "all profiler and kineto events")
+            prof.__exit__(None, None, None)
+            kernels, fused = flex_backward_kernels(prof, kinds=len(dcfg.windows()))
+        if not fused:
+            raise RuntimeError(
+                "the first step did not run a fused flex_attention backward kernel for each "
+                f"of the {len(dcfg.windows())} layer kinds (saw {kernels}); refusing to train "
+                "on the dense fallback (~17 GB per layer at 512 anchors / 8192 budget)")
+        print0(f"step {self.step}: fused flex_attention backward verified "
+               f"(profiler saw {', '.join(kernels)})")
+        self.done = True
+        return False
+
+class ETA:
+    """Plain steps at their mean time so far, plus the evals and saves still to come at their last
+    cost; one-offs (the compiling first step, the profiled step, the one timed for CUDA graphs,
+    those whose row shape the target had not yet captured, evals, saves) are timed apart."""
+    def __init__(self):
+        self.start = time.perf_counter()
+        self.oneoff_s, self.oneoff_steps, self.evals, self.saves = 0.0, 0, [], []
+
+    def train_step(self, step, t_host, oneoff):
+        # a train step begun at t_host is queued: a one-off's time is booked apart, to its end
+        if step == start_step or oneoff:
+            sync()
+            self.oneoff_s += time.perf_counter() - t_host
+            self.oneoff_steps += 1
+        if step == start_step:
+            print0(f"step {step}: first step done (drafter graph compiled) "
+                   f"{time.perf_counter() - self.start:.0f} s after start")
+
+    def event(self, times, t0):
+        # an eval (times: self.evals) or a save (self.saves) begun at t0 is done
+        times.append(time.perf_counter() - t0)
+        self.oneoff_s += times[-1]
+
+    def estimate(self, step, now):
+        """After train step `step`, at time now: (s per plain step, s per eval, s per save, evals
+        and saves left, seconds left)."""
+        step_s = (now - self.start - self.oneoff_s) / max(step + 1 - start_step - self.oneoff_steps,
+                                                         1)
+        # before a warm eval is timed (the first one compiled): a row costs at most a train step
+        eval_s = self.evals[-1] if len(self.evals) > 1 else len(eval_rows) * step_s
+        save_s = self.saves[-1] if self.saves else 0.0
+        evals_left = events_after(step, args.eval_interval) if eval_rows else 0
+        saves_left = events_after(step, args.save_interval)
+        left = (max_steps - step - 1) * step_s + evals_left * eval_s + saves_left * save_s
+        return step_s, eval_s, save_s, evals_left, saves_left, left
+
+# -----------------------------------------------------------------------------
+# checkpoints (the log rank)
 
 def save_checkpoint(step):
     # the export first: a run stopped between the two leaves an export at least as new as the
@@ -883,67 +1078,45 @@ def save_checkpoint(step):
         wandb_run.summary["drafter"] = os.path.abspath(os.path.join(args.out, "drafter"))
     print0(f"step {step}: saved {ckpt_path} and {args.out}/drafter/ (z-lab format)")
 
-def reduce_drafters(t):
-    if world > 1:
-        dist.all_reduce(t, group=drafter_group)
-    return t
+# =============================================================================
+# target ranks: run ahead of the drafter, at most two rows in flight (the pair protocol above)
 
-# The metrics of a window live in one device tensor (one all-reduce, no host sync per step), named
-# here only. blocks: anchors kept; wanted: anchors the rows asked for before the capacity cut;
-# gnorm: the same on every drafter (gradients are averaged before clipping)
-METRICS = dict(loss=1, accept_sum=1, blocks=1, wanted=1, nonfinite=1, gnorm=1,
-               slot_correct=block_size, slot_count=block_size)
+if role == "target":
+    target_side = TargetSide()
+    if split:
+        target_side.move_layers()
+    inflight, forwards = [], []
+    for step, kind, r in schedule(start_step):
+        if kind in ("eval", "train"):
+            # the host waits for this GPU's previous row (and for the send it waits on) before it
+            # queues the next: rows in flight stay bounded, as their features stay allocated
+            sync()
+            t0 = mark()
+            feats, packed = target_side.next(kind, r)
+            forwards.append((t0, mark()))
+            ops = [dist.P2POp(dist.isend, t, peer) for t in (*feats, packed)]
+            inflight.append((dist.batch_isend_irecv(ops), feats, packed))
+            if len(inflight) > 2:        # reuse a slot only once the drafter has taken its row
+                for work in inflight.pop(0)[0]:
+                    work.wait()
+        elif kind == "log":
+            sync()
+            gather_stats(sum(ms(a, b) for a, b in forwards) / max(len(forwards), 1), peak_gib())
+            forwards = []
+    for works, _, _ in inflight:
+        for work in works:
+            work.wait()
+    sync()
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.exit(0)
 
-def pack_metrics(out, wanted, nonfinite, gnorm):
-    loss, gnorm = (x.detach().float().nan_to_num(0.0) for x in (out["loss"], gnorm))
-    parts = [loss, out["accept_sum"], out["blocks"], wanted, nonfinite, gnorm,
-             out["slot_correct"], out["slot_count"]]
-    return torch.cat([p.float().view(-1) for p in parts])
+# =============================================================================
+# drafter ranks (and world size 1): receive rows, train
 
-def unpack_metrics(packed):
-    values, at = {}, 0
-    for name, size in METRICS.items():
-        values[name] = packed[at:at + size] if size > 1 else packed[at]
-        at += size
-    return values
-
-log_file = open(os.path.join(args.out, "log.jsonl"), "a") if rank == log_rank else None
-wandb_run = None
-if args.wandb and rank == log_rank:
-    # the config: the args and the banner's facts
-    try:
-        wandb_run = wandb.init(project=args.wandb, name=args.wandb_name, config=dict(
-            vars(args), world=world, pairs=n_pairs, devices=[i["device"] for i in infos],
-            torch=torch.__version__, triton=triton_version, target_layers=tcfg.num_hidden_layers,
-            taps=taps, drafter_layout=dcfg.layer_types, drafter_params=n_params,
-            row_capacity=row_anchors, steps=max_steps, self_check=self_check))
-    except wandb.errors.Error as e:     # e.g. no API key
-        sys.exit(f"error: --wandb {args.wandb}: {e} (or log offline: WANDB_MODE=offline)")
-
-def log(record, line):
-    # the record first: a step a user saw on screen is on disk too, whatever kills the job next
-    record.setdefault("elapsed_s", round(time.perf_counter() - t_launch, 2))
-    if log_file:
-        log_file.write(json.dumps(record) + "\n")
-        log_file.flush()
-    if wandb_run and record["kind"] in ("train", "eval", "generate"):
-        # W&B: one key per number, "train/loss", "eval/slot_acc/3"
-        kind = record["kind"]
-        wandb_run.log({f"{kind}/{k}" + (f"/{i}" if isinstance(v, list) else ""): x
-                 for k, v in record.items() if k not in ("kind", "step")
-                 for i, x in enumerate(v if isinstance(v, list) else [v])
-                 if isinstance(x, (int, float))}, step=record["step"])
-    print0(line)
-
-def hms(seconds):
-    s = int(seconds)
-    d, h, m = s // 86400, s // 3600 % 24, s // 60 % 60
-    return (f"{d}d{h:02d}h" if d else f"{h}h{m:02d}m" if h else f"{m}m{s % 60:02d}s" if m
-            else f"{s}s")
-
-def events_after(step, interval):
-    # evals or saves the schedule has left after `step`: every interval-th step, and the last
-    return max_steps // interval - step // interval + (max_steps % interval > 0)
+drafter_side = DrafterSide()
+if split:
+    drafter_side.move_layers()
 
 # every start and resume: what a resumed run's later records supersede (README: Reading the log)
 line = f"start: logging to {args.out}/log.jsonl"
@@ -954,40 +1127,27 @@ truncated = dict(samples=packer.truncated, tokens=packer.truncated_tokens, super
 log(dict(kind="start", step=start_step, resume=args.resume, processes=world, pairs=n_pairs,
          changed=changed, args=vars(args), truncated=truncated), line)
 
-params = list(drafter.parameters())
-step_graph = None                   # (graph, input buffers, outputs) once update() is captured
-
-def target_shapes():
-    # row shapes the target has run or captured (world size 1, graphs on): a step that adds one is
-    # a one-off for the ETA
-    return feature_graphs and len(feature_graphs.seen) + len(feature_graphs.graphs)
 train_sums = torch.zeros(sum(METRICS.values()), device=device)
 eval_sums = torch.zeros_like(train_sums)
 # non-finite?, epoch, row
 nonfinite_rows = torch.zeros(args.log_interval, 3, dtype=torch.long, device=device)
 step_marks, n_window = [], 0
-fused_checked = not cuda or args.no_compile
-t_start = t_window = time.perf_counter()
-# the ETA: plain steps at their mean time so far, plus the evals and saves still to come at their
-# last cost; one-offs (the compiling first step, the profiled step, the one timed for CUDA graphs,
-# those whose row shape the target had not yet captured, evals, saves) are timed apart
-oneoff_s, oneoff_steps, eval_times, save_times = 0.0, 0, [], []
+updates, fused_backward_check, eta = Updates(), FusedBackwardCheck(), ETA()
+t_window = eta.start
 
 for step, kind, r in schedule(start_step):
     if kind == "save":
         if rank == log_rank:
             t0 = time.perf_counter()
             save_checkpoint(step)
-            save_times.append(time.perf_counter() - t0)
-            oneoff_s += save_times[-1]
+            eta.event(eta.saves, t0)
 
     elif kind == "eval":
         if r == 0:
             t_eval = time.perf_counter()
-        feats, packed = next_row("eval", r)
-        row = unpack_row(packed)
+        feats, packed = drafter_side.next("eval", r)
         torch.manual_seed(args.seed + 7919 * r)      # the same held-out anchors at every eval
-        out, wanted = step_fn(feats, row)
+        out, wanted = step_fn(feats, unpack_row(packed))
         zero = torch.zeros((), device=device)
         eval_sums += pack_metrics(out, wanted, zero, zero)
         del out                                     # and the activations autograd saved
@@ -1002,83 +1162,30 @@ for step, kind, r in schedule(start_step):
             log(rec, f"eval step {step}: loss {rec['loss']:.4f} | accept {rec['accept']:.3f} | "
                      f"slot acc {' '.join(f'{a:.2f}' for a in slot_acc)}")
             eval_accept = rec["accept"]
-            eval_times.append(time.perf_counter() - t_eval)
-            oneoff_s += eval_times[-1]
+            eta.event(eta.evals, t_eval)
 
     elif kind == "train":
-        t_host = time.perf_counter()
-        t0 = mark()
-        known = target_shapes()
-        feats, packed = next_row("train", None)
-        row = unpack_row(packed)
+        t_host, t0, shapes = time.perf_counter(), mark(), drafter_side.target_shapes()
+        feats, packed = drafter_side.next("train", None)
         t1 = mark()
-        if checker:
-            finish_self_check()
+        self_check.join(wandb_run)
         # anchors: a function of (seed, step, pair)
         torch.manual_seed(args.seed * 1_000_003 + step * 1009 + pair)
-        # the fused-backward check profiles the first step after the one that compiled (a profiler
-        # around compilation would also record every autotuning kernel)
-        prof = None
-        if not fused_checked and step > start_step:
-            # acc_events: torch <= 2.12 warns "Profiler clears events at the end of each cycle"
-            # even without a schedule (fixed by pytorch#180387); with one cycle it changes nothing
-            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA],
-                                          acc_events=True)
-            prof.__enter__()
-        timed = step == start_step + 2 and graphs_wanted and n_pairs == 1
-        if step_graph:
-            graph, inputs, outputs = step_graph
-            inputs[0].copy_(feats), inputs[1].copy_(packed), inputs[2].fill_(lr_at(step))
-            graph.replay()
-        else:
-            for group_ in opt.param_groups:
-                group_["lr"] = lr_at(step)
-            # compiled and its fused backward checked: timed (all-reduced gradients stay eager)
-            if timed:
-                outputs, bound = launch_bound("drafter step", update, feats, row)
-                step_graph = capture_update(feats, packed, step) if bound else None
-            else:
-                outputs = update(feats, row)
-        metrics, nonfinite = outputs
-        step_marks.append((t0, t1, mark()))
-        if prof:
-            # a profiler that records CUDA activity only warns, as it stops, that it could not
-            # match the host's op events to kernels ("Failed to recover relationship between all
-            # profiler and kineto events", torch/csrc/profiler/collection.cpp); only kernel
-            # names are read here
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="Failed to recover relationship between "
-                                        "all profiler and kineto events")
-                prof.__exit__(None, None, None)
-                kernels, fused = flex_backward_kernels(prof, kinds=len(dcfg.windows()))
-            if not fused:
-                raise RuntimeError(
-                    "the first step did not run a fused flex_attention backward kernel for each "
-                    f"of the {len(dcfg.windows())} layer kinds (saw {kernels}); refusing to train "
-                    "on the dense fallback (~17 GB per layer at 512 anchors / 8192 budget)")
-            print0(f"step {step}: fused flex_attention backward verified "
-                   f"(profiler saw {', '.join(kernels)})")
-            fused_checked = True
-        if step == start_step or prof or timed or target_shapes() != known:
-            sync()
-            oneoff_s += time.perf_counter() - t_host
-            oneoff_steps += 1
-        if step == start_step:
-            print0(f"step {step}: first step done (drafter graph compiled) "
-                   f"{time.perf_counter() - t_start:.0f} s after start")
-            if not args.no_compile:
-                # warm: from now on a recompile is an error
-                torch._dynamo.config.error_on_recompile = True
+        with fused_backward_check(step) as profiled:
+            (metrics, nonfinite), timed = updates(step, feats, packed)
+            step_marks.append((t0, t1, mark()))
+        eta.train_step(step, t_host, profiled or timed or drafter_side.target_shapes() != shapes)
         train_sums += metrics
         nonfinite_rows[n_window, 0] = nonfinite                     # device copies, no host sync
-        nonfinite_rows[n_window, 1:] = row["where"][:2]
+        nonfinite_rows[n_window, 1:] = unpack_row(packed)["where"][:2]
         n_window += 1
 
     elif kind == "log":
         sync()
         seconds = time.perf_counter() - t_window
         m = unpack_metrics(reduce_drafters(train_sums).to("cpu", copy=True))
-        local_ms = sum(ms(a, b) for a, b in local_forwards) / n_window if local_forwards else 0.0
+        forwards = drafter_side.forwards
+        local_ms = sum(ms(a, b) for a, b in forwards) / n_window if forwards else 0.0
         stats = gather_stats(local_ms, peak_gib())
         # world size 1: the target ran inside the wait span, so it is taken out of it
         wait_ms = sum(ms(a, b) for a, b, _ in step_marks) / n_window - local_ms
@@ -1099,16 +1206,10 @@ for step, kind, r in schedule(start_step):
         step_ms = seconds * 1e3 / n_window
         now = time.perf_counter()
         elapsed = now - t_launch
-        step_s = (now - t_start - oneoff_s) / max(step + 1 - start_step - oneoff_steps, 1)
-        # before a warm eval is timed (the first one compiled): a row costs at most a train step
-        eval_s = eval_times[-1] if len(eval_times) > 1 else len(eval_rows) * step_s
-        save_s = save_times[-1] if save_times else 0.0
-        evals_left = events_after(step, args.eval_interval) if eval_rows else 0
-        saves_left = events_after(step, args.save_interval)
-        eta = (max_steps - step - 1) * step_s + evals_left * eval_s + saves_left * save_s
+        step_s, eval_s, save_s, evals_left, saves_left, left = eta.estimate(step, now)
         target_ms = stats[target_ranks, 0].max().item()
         # a split pair's target layers K..last, on the drafter GPU (its local_ms)
-        moved_ms = stats[drafter_ranks, 0].max().item() if split else 0.0
+        moved_ms = stats[drafter_ranks, 0].max().item() if drafter_side.split else 0.0
         rec = dict(kind="train", step=step + 1, epoch=(step + 1) / steps_per_epoch,
                    # (epoch, row) of the data plan this pair trained, per step of the window
                    rows=[[epoch, index] for _, epoch, index in flags],
@@ -1126,10 +1227,10 @@ for step, kind, r in schedule(start_step):
                    anchors_cut=int(m["wanted"] - m["blocks"]),
                    pad_frac=1 - m["blocks"].item() / (rows_done * row_anchors),
                    ms_step=step_ms, ms_target=target_ms, ms_wait=wait_ms, ms_drafter=drafter_ms,
-                   split_layer=split, ms_target_on_drafter=moved_ms,
+                   split_layer=drafter_side.split, ms_target_on_drafter=moved_ms,
                    # per GPU (world 1: one GPU)
                    busy_target=target_ms / step_ms, busy_drafter=(drafter_ms + moved_ms) / step_ms,
-                   mem_gib=stats[:, 1].tolist(), eta_s=round(eta, 2),
+                   mem_gib=stats[:, 1].tolist(), eta_s=round(left, 2),
                    # compiled on this rank so far (log() adds elapsed_s)
                    graphs=torch._dynamo.utils.counters["stats"]["unique_graphs"])
         log(rec, f"step {rec['step']}/{max_steps} | ep {rec['epoch']:.2f} | "
@@ -1138,17 +1239,18 @@ for step, kind, r in schedule(start_step):
                  f"{rec['tok_s']:.0f} tok/s {rec['blocks_s']:.0f} blocks/s | "
                  f"anchors/row {rec['anchors_row']:.0f} cut {rec['anchors_cut']} "
                  f"pad {rec['pad_frac']:.0%} | ms target {target_ms:.0f}"
-                 f"{f'+{moved_ms:.0f}' if split else ''} wait {wait_ms:.0f} "
+                 f"{f'+{moved_ms:.0f}' if drafter_side.split else ''} wait {wait_ms:.0f} "
                  f"drafter {drafter_ms:.0f} busy {rec['busy_target']:.0%} "
                  f"{rec['busy_drafter']:.0%} | "
                  f"mem GiB {' '.join(f'{x:.1f}' for x in rec['mem_gib'])} | "
-                 f"{hms(elapsed)} elapsed, ETA {hms(eta)}")
+                 f"{hms(elapsed)} elapsed, ETA {hms(left)}")
         if step + 1 - start_step <= args.log_interval:
-            print0(f"expected run length: {hms(elapsed + eta)} ({max_steps - start_step} "
+            print0(f"expected run length: {hms(elapsed + left)} ({max_steps - start_step} "
                    f"steps of {step_s * 1e3:.0f} ms, {evals_left} evals of {eval_s:.1f} s, "
                    f"{saves_left} saves of {save_s:.1f} s to go)")
         train_sums.zero_(), nonfinite_rows.zero_()
-        step_marks, local_forwards, n_window, t_window = [], [], 0, time.perf_counter()
+        step_marks, n_window, t_window = [], 0, time.perf_counter()
+        drafter_side.forwards = []
 
 if args.generate_prompts and world > 1:
     print0("--generate-prompts skipped: a multi-process job's drafter ranks hold only the target's "
