@@ -77,8 +77,8 @@ def anchor_mask_mod(anchors, keep, doc, S, B, window=0):
     anchor+k sees context from anchor+k-(window-1) and block slots k-(window-1)..k (causal in the
     block). The window is a run constant (a Python int, part of the compiled graph)."""
     N = anchors.shape[0]
-    # int32, as flex's q_idx/kv_idx: int64 arithmetic on every [q, kv] tile element made the
-    # sliding layers' backward 1.3x slower on H200
+    # int32, as flex's q_idx/kv_idx: int64 arithmetic on every [q, kv] tile element slows the
+    # sliding layers' backward (README: Results)
     anchors, doc = anchors.int(), doc.int()
     def mask_mod(b, h, q_idx, kv_idx):
         j = (q_idx // B).clamp(max=N - 1)
@@ -318,10 +318,9 @@ def _dense_attention(allowed):
 
 def flex_kernel_options(device):
     """flex_attention kernel options for this GPU. ~227 KB of shared memory per block
-    (H100/H200/B200): inductor's tiles with 2 pipeline stages in the backward instead of 3 (H200,
-    512 anchors x 8192, 32/8 heads of 128, fwd+bwd: full mask 3.0 -> 2.4 ms, sliding 5.2 -> 2.8
-    ms). ~100 KB (RTX PRO 6000 Blackwell, consumer parts): smaller tiles, as inductor's defaults
-    do not fit."""
+    (H100/H200/B200): inductor's tiles with 2 pipeline stages in the backward instead of 3, the
+    faster there (README: Results). ~100 KB (RTX PRO 6000 Blackwell, consumer parts): smaller
+    tiles, as inductor's defaults do not fit."""
     props = torch.cuda.get_device_properties(device)
     if getattr(props, "shared_memory_per_block_optin", 0) >= 200 * 1024:
         return dict(bwd_num_stages=2)
@@ -651,7 +650,7 @@ def flex_backward_kernels(prof, kinds):
     """Names of the flex_attention backward kernels a torch.profiler run saw, the fused ones first,
     and whether the fused inductor template (triton_tem_fused_flex_attention_backward_*) ran for all
     `kinds` masks (each mask_mod compiles its own). Outside a compiled graph flex runs a dense math
-    backward instead (~17 GB per layer at 512 anchors / 8192)."""
+    backward instead, which holds every layer's whole [heads, queries, keys] score matrix."""
     names = {e.name for e in prof.events() if "flex_attention_backward" in e.name}
     names = sorted(names, key=lambda n: "_tem_" not in n)
     return names, sum("_tem_" in n for n in names) >= kinds
@@ -663,9 +662,9 @@ def flex_matches_dense(config, device, kernel_options=None, candidate=None):
     config's head geometry and block size, on a 512-token row of 3 documents with anchors at
     document starts and padded slots (the window cut to 100 tokens so that it binds). Outputs and
     the gradients of q, k, v under a random linear loss must agree. A torch whose flex backward is
-    silently wrong fails it (one such bug: BlockMask index lists with wrong strides gave 60% wrong
+    silently wrong fails it (one such bug: BlockMask index lists with wrong strides gave wrong
     dK/dV). Only attention is compiled: the rest of the step is plain inductor code, and compiling
-    it too made the check 1.4x slower on a fresh machine (H200: 41 s vs 29 s). Leaves the RNG and
+    it too made the check slower on a fresh machine (README: Results). Leaves the RNG and
     dynamo's graph count as it found them.
     candidate(config, anchors, keep, doc, S) -> {kind: attend} replaces the compiled flex path
     (tests on CPU). Returns (output rel err, max gradient rel err, seconds)."""

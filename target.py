@@ -117,8 +117,8 @@ def upload(t, device):
 
 def positions_from_cu(cu_seqlens):
     # cu_seqlens [n+1] (CPU) -> positions [T] restarting at 0 in every document. In numpy, as
-    # _chunk_indices: torch's repeat_interleave took 1.8 ms of host time per demo step on an H200
-    # host (bench.py steps), ~7% of the step; in numpy it leaves the profile's top 20
+    # _chunk_indices: torch's repeat_interleave is a costly host op of every step (bench.py steps,
+    # README: Results); in numpy it leaves the profile's top 20
     cu = np.asarray(cu_seqlens, dtype=np.int64)
     return torch.from_numpy(np.arange(cu[-1]) - np.repeat(cu[:-1], np.diff(cu)))
 
@@ -281,16 +281,15 @@ def compile_configs_at_once(autotuners):
 
 class FeatureGraphs:
     """target.features(ids, cu_seqlens, layer_ids) replayed from CUDA graphs. A small target's
-    forward is launch-bound: the demo's (6 layers, 64 wide) spends 13-20 ms of host time queueing
-    its kernels through fla's Python wrappers on an H200 host, and the GPU is done 0.1 ms after;
-    a replay queues them all at once. The kernels' grids depend on a row only through its document
-    count and fla's 64-token chunk count, so there is one graph per such shape; every value
-    (tokens, boundaries, positions, chunk list) is copied into the graph's input buffers before a
-    replay. A shape runs
-    eagerly the first time it comes, captured the second (nothing may sync while capturing: fla's
-    autotuner must have its kernels tuned). Flash attention gets the row length as the longest
-    document: a bigger grid, the same result. The graphs share one memory pool: a replay's output
-    is copied out before the next. Dense targets only (the MoE path syncs on toy sizes)."""
+    forward is launch-bound: queueing its kernels through fla's Python wrappers takes the host far
+    longer than the GPU takes to run them; a replay queues them all at once. The kernels' grids
+    depend on a row only through its document count and fla's 64-token chunk count, so there is
+    one graph per such shape; every value (tokens, boundaries, positions, chunk list) is copied
+    into the graph's input buffers before a replay. A shape runs eagerly the first time it comes,
+    captured the second (nothing may sync while capturing: fla's autotuner must have its kernels
+    tuned). Flash attention gets the row length as the longest document: a bigger grid, the same
+    result. The graphs share one memory pool: a replay's output is copied out before the next.
+    Dense targets only (the MoE path syncs on toy sizes)."""
     def __init__(self, target, layer_ids):
         self.target, self.layer_ids = target, layer_ids
         self.graphs, self.seen, self.pool = {}, set(), None
