@@ -20,6 +20,7 @@ Prompts: the val split of --data (the tokens before each sample's first supervis
 --prompts JSONL (messages, ShareGPT conversations or {"prompt": str}; a final assistant message
 is dropped) rendered by --tokenizer's chat template as the engine renders them, or random ids.
 --eos defaults to the checkpoint's generation_config.json, else config.json; none for a preset.
+--replay gives the same tau without decoding (replay() below): hundreds of prompts in seconds.
 No KV cache: every target forward re-runs the whole sequence (prefix + block), and the greedy
 decode does the same per token. Short and obviously right; the cost per forward grows with the
 context (numbers in README).
@@ -31,9 +32,10 @@ import sys
 import time
 
 import torch
+import torch.nn.functional as F
 
-from target import Target, TargetConfig
-from model import Drafter, DrafterConfig
+from target import Target, TargetConfig, positions_from_cu
+from model import Drafter, DrafterConfig, row_attention
 from data import ArgParser, Bad, DataError, kwargs_arg, load_line, number, open_dataset
 from prepare import Chat
 
@@ -161,6 +163,116 @@ def evaluate(target, drafter, prompts, max_new, eos=(), log=print):
     return res
 
 # -----------------------------------------------------------------------------
+# tau by replay: no decoding
+
+def propose_at(drafter, feats, tokens, doc, pos, anchors, embed, head):
+    """Drafter.propose for N anchors of one packed row at once: block j = [tokens[anchors[j]],
+    mask x (B-1)], its context the features of its document before the anchor (the training mask,
+    dense). feats [S, n_feat*H], tokens/doc/pos [S], anchors [N] ascending -> proposals [N, B-1]."""
+    c, N, S = drafter.config, anchors.shape[0], tokens.shape[0]
+    k = torch.arange(c.block_size, device=tokens.device)
+    block = torch.full((N, c.block_size), c.mask_token_id, dtype=torch.long, device=tokens.device)
+    block[:, 0] = tokens[anchors]
+    keep = torch.ones(N, dtype=torch.bool, device=tokens.device)
+    attend = row_attention(c, anchors, keep, doc, S)
+    h = drafter.hidden(feats, pos, F.embedding(block.view(-1), embed),
+                       (pos[anchors][:, None] + k).view(-1), attend)
+    return (h.view(N, c.block_size, -1)[:, 1:] @ head.t()).float().argmax(-1)
+
+@torch.inference_mode()
+def replay(target, drafter, seqs, prompt_lens, max_new, eos=(), batch=64):
+    """The accepted lengths speculative() would give, without decoding. Its output is the greedy
+    continuation (evaluate checks it), so where each cycle starts is fixed by that continuation
+    and the drafter: one target forward over prompt + continuation gives every context feature and
+    every verification argmax, and the drafter proposes once per cycle for all prompts of a batch.
+    seqs: 1-D id tensors, prompt j (prompt_lens[j] tokens) and its greedy continuation of at least
+    max_new + B - 1 tokens, past any end-of-sequence token (the last cycle may accept proposals
+    beyond max_new or eos, as speculative() does). Returns (acc+1 per cycle for each prompt,
+    positions where the continuation differs from the forward's argmax: 0 unless rounding
+    differs between the decode and the forward)."""
+    B, taps = drafter.config.block_size, drafter.config.target_layer_ids
+    embed, head = target.embed_tokens.weight, target.lm_head.weight
+    dev, out, differ = embed.device, [], 0
+    eos_t = torch.tensor(sorted(eos) or [-1], device=dev)
+    for s in range(0, len(seqs), batch):
+        chunk, P = seqs[s:s + batch], torch.tensor(prompt_lens[s:s + batch])
+        lens = torch.tensor([len(x) for x in chunk])
+        short = (lens < P + max_new + B - 1).nonzero()
+        assert not len(short), (f"replay: sequence {s + int(short[0])} has {int(lens[short[0]])} "
+                                f"tokens, needs prompt + {max_new + B - 1}")
+        cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
+        row = torch.cat(chunk).to(dev)
+        feats, logits = target.features_and_logits(row, cu, taps)
+        post = logits.argmax(-1)                 # [S]: the target's next token after each position
+        doc = torch.repeat_interleave(torch.arange(len(chunk)), lens).to(dev)
+        pos = positions_from_cu(cu).to(dev)
+        new = (pos >= P.to(dev)[doc]) & (pos > 0)
+        differ += int(((row[1:] != post[:-1]) & new[1:]).sum())
+        a = (cu[:-1] + P).to(dev)                # each prompt's anchor: the prefill's token
+        n_new = torch.ones(len(chunk), dtype=torch.long, device=dev)
+        done = torch.isin(post[a - 1], eos_t) | (n_new >= max_new)
+        cycles = [[] for _ in chunk]
+        while not bool(done.all()):
+            live = (~done).nonzero()[:, 0]
+            at = a[live]
+            draft = propose_at(drafter, feats, row, doc, pos, at, embed, head)      # [n, B-1]
+            want = post[at[:, None] + torch.arange(B, device=dev)]                  # [n, B]
+            acc = (draft == want[:, :-1]).long().cumprod(1).sum(1)
+            # committed this cycle: want[:, :acc+1] (the accepted proposals and the bonus)
+            hit = torch.isin(want, eos_t) & (torch.arange(B, device=dev) <= acc[:, None])
+            a[live], n_new[live] = at + acc + 1, n_new[live] + acc + 1
+            done[live] = hit.any(1) | (n_new[live] >= max_new)
+            for j, x in zip(live.tolist(), (acc + 1).tolist()):
+                cycles[j].append(x)
+        out += cycles
+    return out, differ
+
+def tau_summary(cycles, block_size):
+    """tau = committed tokens / cycles over all prompts (the loop's total), with a 95% CI over
+    prompts: the ratio estimator's, 1.96 * sqrt(sum_j (y_j - tau x_j)^2 / (n (n-1))) / mean(x) for
+    prompt j's y_j tokens in x_j cycles; the mean over prompts of each one's own tau, with its CI
+    (1.96 standard errors); the histogram of acc+1 (1..block_size)."""
+    cycles = [c for c in cycles if c]
+    n, x, y = len(cycles), [len(c) for c in cycles], [sum(c) for c in cycles]
+    tau = sum(y) / max(sum(x), 1)
+    per = [b / a for a, b in zip(x, y)]
+    mean = sum(per) / max(n, 1)
+    ci = ci_mean = 0.0
+    if n > 1:
+        ci = 1.96 * (sum((b - tau * a) ** 2 for a, b in zip(x, y)) / (n * (n - 1))) ** 0.5 / (
+            sum(x) / n)
+        ci_mean = 1.96 * (sum((t - mean) ** 2 for t in per) / (n - 1) / n) ** 0.5
+    hist = [0] * block_size
+    for c in cycles:
+        for k in c:
+            hist[k - 1] += 1
+    return dict(tau=tau, tau_ci=ci, tau_mean=mean, tau_mean_ci=ci_mean, prompts=n,
+                cycles=sum(x), hist=hist)
+
+def load_pair(target_path, drafter_path, device):
+    """The target (a checkpoint dir or preset) and an exported drafter, in the device's dtype."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    preset = not os.path.isdir(target_path)
+    target = (Target.build(TargetConfig.preset(target_path), device=device, dtype=dtype) if preset
+              else Target.from_pretrained(target_path, device=device, dtype=dtype))
+    return target, Drafter.from_pretrained(drafter_path, device=device, dtype=dtype)
+
+def replay_dataset(target_path, drafter_path, data_dir, max_new, n=None, device=None):
+    """tau by replay on a dataset of prompts (loss mask 0) each followed by its greedy continuation
+    (mask 1, >= max_new + B - 1 tokens past any eos), as quality.py writes them: tau_summary's
+    dict, plus `differ`."""
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    target, drafter = load_pair(target_path, drafter_path, device)
+    ds = open_dataset(data_dir)
+    seqs, lens = [], []
+    for i in range(min(n or len(ds), len(ds))):
+        tokens, mask = ds.sample(i)
+        seqs.append(torch.from_numpy(tokens.astype("int64")))
+        lens.append(int(mask.argmax()))
+    cycles, differ = replay(target, drafter, seqs, lens, max_new, set(hf_eos(target_path)))
+    return dict(tau_summary(cycles, drafter.config.block_size), differ=differ)
+
+# -----------------------------------------------------------------------------
 # prompts
 
 def dataset_prompts(data_dir, n, log=print):
@@ -241,6 +353,8 @@ def main(argv=None):
                     help="comma-separated end-of-sequence ids; default: the checkpoint's")
     ap.add_argument("--seed", type=number(int, 0), default=0,
                     help="seed of --random-prompts and of --drafter random")
+    ap.add_argument("--replay", action="store_true",
+                    help="tau by replay (one greedy decode, one forward; the same tau, faster)")
     args = ap.parse_args(argv)
     try:
         eos = [int(x) for x in args.eos.split(",")] if args.eos else None
@@ -314,7 +428,22 @@ def main(argv=None):
           f"drafter {args.drafter}: {c.num_hidden_layers} layers, "
           f"block {c.block_size}, mask token {c.mask_token_id}, taps {c.target_layer_ids} | "
           f"{len(prompts)} prompts, {args.max_new_tokens} new tokens each, eos {eos or 'none'}")
-    evaluate(target, drafter, [p.to(device) for p in prompts], args.max_new_tokens, set(eos))
+    prompts = [p.to(device) for p in prompts]
+    if args.replay:
+        t0 = time.time()
+        seqs = target.greedy(prompts, args.max_new_tokens + c.block_size - 1)
+        seqs = [s[:len(p) + args.max_new_tokens + c.block_size - 1] for s, p in zip(seqs, prompts)]
+        cycles, differ = replay(target, drafter, seqs, [len(p) for p in prompts],
+                                args.max_new_tokens, set(eos))
+        r = tau_summary(cycles, c.block_size)
+        print(f"replay: tau {r['tau']:.3f} +- {r['tau_ci']:.3f} (mean accepted+1 over "
+              f"{r['cycles']} cycles of block {c.block_size}; 95% CI over {r['prompts']} prompts) | "
+              f"mean of per-prompt tau {r['tau_mean']:.3f} +- {r['tau_mean_ci']:.3f} | {differ} "
+              f"decoded tokens differ from the forward's argmax | {time.time() - t0:.1f}s")
+        print("accepted+1 per cycle, count of cycles: "
+              + " ".join(f"{k}:{n}" for k, n in enumerate(r["hist"], 1) if n))
+        return r
+    return evaluate(target, drafter, prompts, args.max_new_tokens, set(eos))
 
 if __name__ == "__main__":
     main()

@@ -15,6 +15,7 @@ Speculative Decoding", arXiv:2602.06036), in reading order:
 Notation: S context tokens in a packed row, N anchors (draft blocks) per row, B tokens per block.
 """
 import json
+import math
 import os
 import time
 from contextlib import nullcontext
@@ -274,8 +275,16 @@ class DrafterConfig:
         published drafters; 0 for all full attention."""
         pub = PUBLISHED_DRAFTERS.get((t.num_hidden_layers, t.hidden_size, t.num_experts), {})
         n_feat = n_feat or pub.get("n_feat", 3 if t.num_hidden_layers < 16 else 5)
-        # toy drafters (CPU demo) get small attention instead of 32 heads of 128
-        toy = t.hidden_size < 1024
+        # attention: the published 32 heads of 128 (8 kv heads) from 1024 wide; below, heads of 64
+        # (kv 2), and 4 of 16 under 256 (the CPU demo). Heads of 16 on a 384-wide target read its
+        # features through 32 value dims and learn almost nothing (README, What did I get?)
+        if t.hidden_size >= 1024:
+            heads, kv_heads, head_dim = 32, 8, 128
+        elif t.hidden_size >= 256:
+            heads, head_dim = t.hidden_size // 64, 64
+            kv_heads = math.gcd(heads, 2)
+        else:
+            heads, kv_heads, head_dim = 4, 2, 16
         # published z-lab mask ids for Qwen3.5/3.6 and Qwen3
         known_mask = {248320: 248070, 151936: 151669}
         # an MoE target has no SwiGLU
@@ -283,8 +292,7 @@ class DrafterConfig:
         kw = dict(hidden_size=t.hidden_size,
                   intermediate_size=pub.get("intermediate_size", dense_width),
                   num_hidden_layers=pub.get("num_hidden_layers", cls.num_hidden_layers),
-                  num_attention_heads=4 if toy else 32, num_key_value_heads=2 if toy else 8,
-                  head_dim=16 if toy else 128,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
                   target_layer_ids=default_target_layer_ids(t.num_hidden_layers, n_feat),
                   num_target_layers=t.num_hidden_layers,
                   mask_token_id=pub.get("mask_token_id",

@@ -126,21 +126,21 @@ def positions_from_cu(cu_seqlens):
 # packed documents on the CPU path: [T, ...] <-> [n_docs, longest, ...]
 
 @functools.lru_cache(maxsize=4)
-def _doc_index(cu):
+def _doc_index(cu, device):
     # for boundaries cu (a tuple): the source index [n_docs, longest] of each padded slot, and
     # which are real
-    lens = torch.tensor(cu).diff()
-    j = torch.arange(int(lens.max()))
+    lens = torch.tensor(cu, device=device).diff()
+    j = torch.arange(int(lens.max()), device=device)
     valid = j[None, :] < lens[:, None]
-    return (torch.tensor(cu[:-1])[:, None] + j).masked_fill(~valid, 0), valid
+    return (torch.tensor(cu[:-1], device=device)[:, None] + j).masked_fill(~valid, 0), valid
 
 def pad_docs(x, cu_list):
     # [T, ...] -> [n_docs, longest, ...], every document zero-padded at its end
-    idx, valid = _doc_index(tuple(cu_list))
+    idx, valid = _doc_index(tuple(cu_list), x.device)
     return x[idx] * valid.view(*valid.shape, *[1] * (x.dim() - 1)).to(x.dtype)
 
 def unpad_docs(y, cu_list):
-    return y[_doc_index(tuple(cu_list))[1]]
+    return y[_doc_index(tuple(cu_list), y.device)[1]]
 
 # -----------------------------------------------------------------------------
 # Gated DeltaNet core in plain torch (the CPU path, and the reference for the fla kernel)
@@ -207,10 +207,12 @@ class Docs(NamedTuple):
     longest: int
 
     @staticmethod
-    def of(cu_seqlens, device):
-        # cu_seqlens [n+1] long on the CPU
+    def of(cu_seqlens, device, kernels=True):
+        # cu_seqlens [n+1] long on the CPU. kernels=False on a GPU: the plain-torch layers (they
+        # have a backward; training a target, quality.py)
         bounds = cu_seqlens.tolist()
-        chunks = _chunk_indices(tuple(bounds), device) if device.type == "cuda" else None
+        chunks = (_chunk_indices(tuple(bounds), device) if device.type == "cuda" and kernels
+                  else None)
         return Docs(upload(cu_seqlens, device), bounds, chunks, int(np.diff(bounds).max()))
 
 @functools.cache
@@ -556,7 +558,7 @@ class GatedAttention(nn.Module):
             cache["k"][:, :, n], cache["v"][:, :, n], cache["n"] = k, v, n + 1
             o = F.scaled_dot_product_attention(q[:, :, None], cache["k"][:, :, :n + 1],
                                                cache["v"][:, :, :n + 1], enable_gqa=True)[:, :, 0]
-        elif x.is_cuda:
+        elif docs.chunks is not None:
             # document-causal attention over all documents in one varlen (flash) call, K/V repeated
             # to the query heads (the fastest of the kernels bench.py target compares)
             from torch.nn.attention.varlen import varlen_attn
@@ -600,7 +602,7 @@ class GatedDeltaNet(nn.Module):
         # log decay per step and v-head, in fp32
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
         split = [key_dim, key_dim, self.n_v * self.dv]
-        if x.is_cuda and cache is None:
+        if cache is None and docs.chunks is not None:
             chunk_gated_delta_rule, causal_conv1d, rms_norm_gated = _fla()
             y, _ = causal_conv1d(qkv[None], weight=self.conv1d.weight[:, 0], activation="silu",
                                  cu_seqlens=docs.cu, chunk_indices=docs.chunks)
@@ -621,8 +623,8 @@ class GatedDeltaNet(nn.Module):
             else:
                 # causal depthwise conv that restarts at every document start: zero the taps from
                 # other documents
-                doc = torch.repeat_interleave(torch.arange(len(docs.bounds) - 1),
-                                              torch.tensor(docs.bounds).diff())
+                doc = torch.repeat_interleave(torch.arange(len(docs.bounds) - 1, device=x.device),
+                                              torch.tensor(docs.bounds, device=x.device).diff())
                 windows = F.pad(qkv, (0, 0, width - 1, 0)).unfold(0, width, 1)  # [T, channels, w]
                 window_doc = F.pad(doc, (width - 1, 0), value=-1).unfold(0, width, 1)  # [T, width]
                 windows = windows * (window_doc == doc[:, None])[:, None, :].to(windows.dtype)
@@ -1001,13 +1003,14 @@ class Target(nn.Module):
         return feats, logits
 
     @torch.inference_mode()
-    def greedy(self, prompts, new_tokens):
+    def greedy(self, prompts, new_tokens, temperature=0.0, generator=None):
         """Greedy continuations of `prompts` (1-D id tensors), new_tokens each, decoded in lockstep
         with per-layer caches (attention keys/values, the GDN conv inputs and state): a step costs
         one token per sequence, not a rerun of the prefix. Sequence j reads its prompt while it
         lasts, then its own argmax. Returns ids [n, longest prompt + new_tokens], row j's first
         len(prompts[j]) + new_tokens being prompt j and its continuation. The plain torch path
-        (CPU, or any device)."""
+        (CPU, or any device). temperature > 0 samples from softmax(logits / temperature) instead
+        (torch.multinomial with `generator`), as a serving engine samples answers."""
         assert self.norm is not None, "greedy needs every layer: build the target without n_layers"
         c, dev, n = self.config, self.embed_tokens.weight.device, len(prompts)
         lens = torch.tensor([len(p) for p in prompts], device=dev)
@@ -1023,7 +1026,9 @@ class Target(nn.Module):
             h = self.embed_tokens(seq[:, t])
             for layer, cache in zip(self.layers, caches):
                 h = layer(h, rope, None, cache)
-            nxt = self.lm_head(self.norm(h)).float().argmax(-1)
+            logits = self.lm_head(self.norm(h)).float()
+            nxt = (logits.argmax(-1) if not temperature else torch.multinomial(
+                (logits / temperature).softmax(-1), 1, generator=generator)[:, 0])
             seq[:, t + 1] = torch.where(lens > t + 1, seq[:, t + 1], nxt)
         return seq
 

@@ -2795,6 +2795,89 @@ def test_eos_stops_both_decodes(gen):
     assert spec == generate.greedy(gen.t, p, MAX_NEW, eos={eos}) == cont[:stop + 1]
 
 
+
+def test_replay_equals_the_speculative_loop(gen):
+    """generate.replay gives speculative()'s accepted lengths cycle by cycle, from one greedy decode and one
+    target forward (the demo's trained drafter; then with an end-of-sequence token that stops some prompts
+    early, after a cycle that may accept past it); and tau_summary's tau is evaluate()'s."""
+    B = gen.B
+    seqs = [torch.cat([p, torch.tensor(c)]) for p, c in zip(gen.prompts, gen.cont)]
+    lens = [len(p) for p in gen.prompts]
+    for eos in (set(), {gen.cont[0][6], gen.cont[3][20]}):
+        want = [generate.speculative(gen.t, gen.drafter, p, MAX_NEW, eos)[1] for p in gen.prompts]
+        got, differ = generate.replay(gen.t, gen.drafter, seqs, lens, MAX_NEW, eos, batch=3)
+        assert got == want and differ == 0
+        if eos:
+            assert len(want[0]) < 4 and any(len(w) > 4 for w in want)      # some stop early, some do not
+    res = generate.evaluate(gen.t, gen.drafter, gen.prompts, MAX_NEW, log=lambda *a: None)
+    summary = generate.tau_summary(want if not eos else got, B)
+    nothing = generate.tau_summary(generate.replay(gen.t, gen.drafter, seqs, lens, MAX_NEW)[0], B)
+    assert nothing["tau"] == pytest.approx(res["tau"]) and nothing["hist"] == res["hist"][:B]
+    assert summary["cycles"] == sum(map(len, got))
+    with pytest.raises(AssertionError, match="needs prompt"):     # too short to replay the last cycle
+        generate.replay(gen.t, gen.drafter, [s[:-1] for s in seqs], lens, MAX_NEW)
+
+
+def test_tau_summary_hand_worked():
+    """Prompts with accepted+1 per cycle [1, 3], [2, 2, 2], [1]: tokens y = 4, 6, 1 in x = 2, 3, 1 cycles.
+    tau = 11/6; residuals y - tau x = 1/3, 1/2, -5/6, squares summing to 19/18, so the ratio CI is
+    1.96 sqrt(19/18 / (3 * 2)) / 2 = 0.41105; per-prompt taus 2, 2, 1: mean 5/3, sd 1/sqrt(3), CI
+    1.96 (1/sqrt 3) / sqrt 3 = 0.65333."""
+    r = generate.tau_summary([[1, 3], [2, 2, 2], [1], []], 4)
+    assert r["tau"] == pytest.approx(11 / 6) and r["tau_ci"] == pytest.approx(1.96 * (19 / 18 / 6) ** 0.5 / 2)
+    assert r["tau_mean"] == pytest.approx(5 / 3) and r["tau_mean_ci"] == pytest.approx(1.96 / 3)
+    assert r["prompts"] == 3 and r["cycles"] == 6 and r["hist"] == [2, 3, 1, 0]
+
+
+def test_sampled_decode_follows_the_target():
+    """Target.greedy(temperature=T): near T = 0 exactly the greedy decode; at T = 1 the first sampled token of
+    2000 copies of one prompt follows softmax(logits) of the target's forward (chi-square over the 8 likeliest
+    tokens and the rest, 8 degrees of freedom: 26.1 is its 0.999 quantile)."""
+    t = tiny_target()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 512, (n,), generator=g) for n in (5, 9, 3)]
+    assert torch.equal(t.greedy(prompts, 12, temperature=1e-4, generator=g), t.greedy(prompts, 12))
+    p = prompts[0]
+    probs = t.logits(p, torch.tensor([0, len(p)]), at=torch.tensor([len(p) - 1]))[0].softmax(-1).double()
+    draws = t.greedy([p] * 2000, 1, temperature=1.0, generator=g)[:, len(p)]
+    top = probs.topk(8).indices
+    counts = torch.stack([(draws == i).sum() for i in top] + [(~torch.isin(draws, top)).sum()]).double()
+    expect = 2000 * torch.cat([probs[top], (1 - probs[top].sum()).view(1)])
+    assert expect.min() > 5                                         # the chi-square approximation holds
+    assert float(((counts - expect) ** 2 / expect).sum()) < 26.1
+
+
+def test_quality_target_is_a_checkpoint(tmp_path):
+    """quality.py's builder: a Qwen3.5 target trained with target.py's layers (the plain-torch path), written
+    as an HF checkpoint in shards, reads back in Target.from_pretrained as exactly the trained module (its
+    weights rounded to bf16, as saved) and in transformers' Qwen3_5ForCausalLM with the same logits; the
+    tokenizer has the end-of-text and mask ids train.py and generate.py expect."""
+    import quality
+    from transformers import AutoModelForCausalLM
+    b = quality.Build(vocab=300, hidden=64, layers=4, intermediate=96, seq=32, batch=4, steps=3, max_files=120)
+    tok, enc = quality.tokenized(b, str(tmp_path))
+    assert tok.get_vocab_size() == 300 and tok.token_to_id(quality.EOT) == 0
+    assert tok.token_to_id(quality.MASK) == 299 and all(299 not in e for e in enc["train"])
+    cfg = quality.hf_config(b)
+    m, train_loss, dev_loss = quality.train_target(b, cfg, np.concatenate(enc["train"]),
+                                                   np.concatenate(enc["dev"]), torch.device("cpu"))
+    assert train_loss < math.log(300) and dev_loss < math.log(300)
+    out = tmp_path / "ckpt"
+    quality.save_hf(m, cfg, tok, str(out), shard_bytes=40_000)
+    assert len(list(out.glob("model-*.safetensors"))) > 2
+    loaded = Target.from_pretrained(str(out), dtype=torch.float32)
+    for k, v in m.state_dict().items():
+        want = v if k.endswith(("A_log", "dt_bias")) else v.to(torch.bfloat16).float()
+        assert torch.equal(loaded.state_dict()[k], want), k
+    ids = torch.from_numpy(enc["test"][0][:40].astype(np.int64))
+    ours = loaded.logits(ids, torch.tensor([0, len(ids)]))
+    hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = hf(ids[None]).logits[0]
+    assert (ours - theirs).abs().max() < 1e-3 * theirs.abs().max()
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 0
+    assert DrafterConfig.from_target(loaded.config).mask_token_id == 299
+
 def test_divergence_is_reported(gen, monkeypatch):
     """A greedy decode that differs (here: forced, at new token 5) is named, with the target's top-2 gap there;
     a large gap is called a bug, not bf16 rounding."""
