@@ -1036,8 +1036,8 @@ class ETA:
     def estimate(self, step, now):
         """After train step `step`, at time now: (s per plain step, s per eval, s per save, evals
         and saves left, seconds left)."""
-        step_s = (now - self.start - self.oneoff_s) / max(step + 1 - start_step - self.oneoff_steps,
-                                                         1)
+        plain_steps = step + 1 - start_step - self.oneoff_steps
+        step_s = (now - self.start - self.oneoff_s) / max(plain_steps, 1)
         # before a warm eval is timed (the first one compiled): a row costs at most a train step
         eval_s = self.evals[-1] if len(self.evals) > 1 else len(eval_rows) * step_s
         save_s = self.saves[-1] if self.saves else 0.0
