@@ -384,7 +384,8 @@ def main(argv=None):
     ap = ArgParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                     "data", "quality"), help="cache dir of targets, data and runs")
-    ap.add_argument("--out", default=None, help="train.py's --out (default WORK/run-<hash>)")
+    ap.add_argument("--out", default=None, help="train.py's --out (-N per --curve step count; "
+                    "default WORK/run-<hash>)")
     ap.add_argument("--split", choices=("dev", "test"), default="test",
                     help="prompts tau is measured on: tune on dev, report on test")
     ap.add_argument("--prompts", type=number(int, 1), default=None,
@@ -420,7 +421,8 @@ def main(argv=None):
     for steps in curve:
         flags = [*defaults, *passed, *(["--max-steps", str(steps)] if steps else [])]
         key = hashlib.sha1(json.dumps([b.key(), args.mask_row, flags]).encode()).hexdigest()[:10]
-        out = args.out or os.path.join(args.work, f"run-{key}")
+        out = ((f"{args.out}-{steps}" if steps else args.out) if args.out
+               else os.path.join(args.work, f"run-{key}"))
         cmd = [sys.executable, os.path.join(here, "train.py"), "--target", tdir, "--data", ddir,
                "--out", out, "--overwrite", *flags]
         log("train: " + " ".join(cmd[1:]))

@@ -2878,6 +2878,30 @@ def test_quality_target_is_a_checkpoint(tmp_path):
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 0
     assert DrafterConfig.from_target(loaded.config).mask_token_id == 299
 
+
+def test_quality_command_end_to_end(tmp_path, capsys):
+    """python quality.py at toy scale: builds the target and its data once (a second run reuses them), trains
+    with train.py (flags after --), and prints the replayed tau that generate.replay_dataset gives for the
+    exported drafter, with its histogram."""
+    import quality
+    small = ["--work", str(tmp_path), "--target-vocab", "300", "--target-hidden", "64", "--target-layers", "6",
+             "--target-intermediate", "96", "--target-seq", "32", "--target-batch", "4", "--target-steps", "3",
+             "--target-max-files", "120", "--target-train-prompts", "12", "--target-eval-prompts", "4",
+             "--target-new-tokens", "24"]
+    quality.main(small + ["--build-only"])
+    assert "built " in capsys.readouterr().out
+    quality.main(small + ["--out", str(tmp_path / "run"), "--", "--budget", "256", "--anchors", "8",
+                          "--max-steps", "3", "--eval-rows", "2", "--no-compile"])
+    out = capsys.readouterr().out
+    assert "reusing the target and data" in out
+    tau = float(re.search(r"tau test ([\d.]+) \+- ", out).group(1))
+    hist = dict(map(int, kv.split(":")) for kv in out.split("count of cycles: ")[1].split("\n")[0].split())
+    (build,) = tmp_path.glob("build-*")
+    res = generate.replay_dataset(str(build / "target"), str(tmp_path / "run" / "drafter"),
+                                  str(build / "data" / "test-greedy"), 24)
+    assert res["tau"] == pytest.approx(tau, abs=5e-4) and sum(hist.values()) == res["cycles"]
+    assert sum(k * n for k, n in hist.items()) / res["cycles"] == pytest.approx(res["tau"])
+
 def test_divergence_is_reported(gen, monkeypatch):
     """A greedy decode that differs (here: forced, at new token 5) is named, with the target's top-2 gap there;
     a large gap is called a bug, not bf16 rounding."""
