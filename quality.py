@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from data import ArgParser, number, open_dataset, write_dataset
+from data import ArgParser, DataError, number, open_dataset, package, write_dataset
 
 EOT, MASK = "<|endoftext|>", "<|mask|>"   # ids 0 and vocab-1 (train.py's default mask id)
 SKIP = {"test", "tests", "testing", "__pycache__", "site-packages", "dist-packages", "idlelib",
@@ -83,8 +83,9 @@ def corpus(max_files=0):
     return files[:max_files] if max_files else files
 
 def train_tokenizer(texts, vocab):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    tok = Tokenizer(models.BPE())
+    tk = package("tokenizers", "quality.py")
+    decoders, models, pre_tokenizers, trainers = tk.decoders, tk.models, tk.pre_tokenizers, tk.trainers
+    tok = tk.Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab - 1, special_tokens=[EOT], show_progress=False,
@@ -248,7 +249,7 @@ SPLITS = ("train", "draft", "dev", "test")
 def tokenized(b, work):
     """The BPE tokenizer and every file as token ids + EOT, per split; cached by the corpus and
     vocab settings (the target's size and steps do not change them)."""
-    from tokenizers import Tokenizer
+    Tokenizer = package("tokenizers", "quality.py").Tokenizer
     key = hashlib.sha1(json.dumps([b.vocab, b.max_files]).encode()).hexdigest()[:10]
     root = os.path.join(work, f"corpus-{key}")
     if not os.path.exists(os.path.join(root, "tokens.npz")):
@@ -404,7 +405,10 @@ def main(argv=None):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     b = Build(**{f: getattr(args, f) for f in asdict(Build())})
     t0 = time.time()
-    tdir, ddir, info = build(b, args.work, device)
+    try:
+        tdir, ddir, info = build(b, args.work, device)
+    except DataError as e:
+        sys.exit(f"error: {e}")
     log(f"target: loss train {info['train_loss']:.3f} dev {info['dev_loss']:.3f} | distinct "
         f"4-grams of greedy answers {info['distinct4_greedy']['test']:.2f} (corpus "
         f"{info['distinct4_corpus']:.2f}) | mask row norm {info['mask_row_norm']:.2f}, mean row "
