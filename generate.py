@@ -82,6 +82,41 @@ def speculative(target, drafter, prompt, max_new, eos=()):
         accepted.append(acc + 1)
     return _finish(seq[P:], max_new, eos), accepted, 1 + len(accepted)
 
+def drafter_sampler(drafter, embed, head, temperature, generator):
+    """draft(ctx, seq, a) -> (B-1 proposals, their distributions q [B-1, vocab]): each block slot
+    sampled from the drafter's own softmax(logits / temperature), all slots from one forward."""
+    def draft(ctx, seq, a):
+        q = (drafter.propose(ctx, torch.arange(a, device=seq.device), seq[a], a, embed, head)[1]
+             / temperature).softmax(-1)
+        return torch.multinomial(q, 1, generator=generator)[:, 0], q
+    return draft
+
+def speculative_sampling(target, draft, prompt, max_new, temperature, generator, B, taps, eos=()):
+    """speculative() at temperature > 0, verified as SGLang and vLLM verify (Leviathan et al.,
+    arXiv:2211.17192): proposal x_i (from draft, as drafter_sampler) is accepted with probability
+    min(1, p_i(x_i) / q_i(x_i)), p_i the target's softmax(logits / temperature) after slot i; the
+    first rejected slot takes a token drawn from max(p_i - q_i, 0) renormalised, a block accepted
+    whole the target's own next token. The output follows the target's sampling distribution
+    exactly. Returns (new tokens, acc+1 per cycle, target forwards)."""
+    P = len(prompt)
+    sample = lambda p: torch.multinomial(p, 1, generator=generator)[:, 0]
+    ctx, logits = _forward(target, prompt, taps, [P - 1])
+    seq = torch.cat([prompt, sample((logits / temperature).softmax(-1))])
+    accepted = []
+    while len(seq) - P < max_new and not any(t in eos for t in seq[P:].tolist()):
+        a = len(seq) - 1
+        x, q = draft(ctx, seq, a)                                              # [B-1], [B-1, V]
+        feats, logits = _forward(target, torch.cat([seq, x]), taps, list(range(a, a + B)))
+        p = (logits / temperature).softmax(-1)                                 # [B, V]
+        i = torch.arange(B - 1, device=x.device)
+        u = torch.rand(B - 1, generator=generator, device=x.device)
+        acc = int((u * q[i, x] < p[i, x]).cumprod(0).sum())     # u < p/q, without dividing by 0
+        rest = (p[acc] - q[acc]).clamp(min=0) if acc < B - 1 else p[acc]
+        seq = torch.cat([seq, x[:acc], sample(rest[None] / rest.sum())])
+        ctx = torch.cat([ctx, feats[a:a + acc + 1]])
+        accepted.append(acc + 1)
+    return _finish(seq[P:], max_new, eos), accepted, 1 + len(accepted)
+
 def greedy(target, prompt, max_new, eos=()):
     """Plain greedy decoding, one full-sequence target forward per token. Returns the new tokens."""
     seq = prompt
@@ -353,6 +388,8 @@ def main(argv=None):
                     help="comma-separated end-of-sequence ids; default: the checkpoint's")
     ap.add_argument("--seed", type=number(int, 0), default=0,
                     help="seed of --random-prompts and of --drafter random")
+    ap.add_argument("--temperature", type=number(float, 0), default=0.0,
+                    help="0: greedy; > 0: speculative sampling at this temperature (tau only)")
     ap.add_argument("--replay", action="store_true",
                     help="tau by replay (one greedy decode, one forward; the same tau, faster)")
     args = ap.parse_args(argv)
@@ -429,6 +466,21 @@ def main(argv=None):
           f"block {c.block_size}, mask token {c.mask_token_id}, taps {c.target_layer_ids} | "
           f"{len(prompts)} prompts, {args.max_new_tokens} new tokens each, eos {eos or 'none'}")
     prompts = [p.to(device) for p in prompts]
+    if args.temperature:
+        g = torch.Generator(device).manual_seed(args.seed)
+        embed, head = target.embed_tokens.weight, target.lm_head.weight
+        draft = drafter_sampler(drafter, embed, head, args.temperature, g)
+        with torch.inference_mode():
+            cycles = [speculative_sampling(target, draft, p, args.max_new_tokens, args.temperature,
+                                           g, c.block_size, c.target_layer_ids, set(eos))[1]
+                      for p in prompts]
+        r = tau_summary(cycles, c.block_size)
+        print(f"sampling at T = {args.temperature}: tau {r['tau']:.3f} +- {r['tau_ci']:.3f} (mean "
+              f"accepted+1 over {r['cycles']} cycles of block {c.block_size}; 95% CI over "
+              f"{r['prompts']} prompts)")
+        print("accepted+1 per cycle, count of cycles: "
+              + " ".join(f"{k}:{n}" for k, n in enumerate(r["hist"], 1) if n))
+        return r
     if args.replay:
         t0 = time.time()
         seqs = target.greedy(prompts, args.max_new_tokens + c.block_size - 1)
