@@ -152,12 +152,23 @@ def anchor_blocks(anchors, keep, doc, S, B, window=0):
 # -----------------------------------------------------------------------------
 # 4) the loss
 
+def dpace_weights(q, valid, alpha):
+    """D-PACE's position weights (arXiv 2605.18810; SpecForge's _dpace_weight) for blocks [..., B]:
+    q the drafter's probability of each slot's label, smoothed q' = (1 - alpha) q + alpha, a no-op
+    (1) at invalid slots; weight_k = sum over valid j >= k of prod_{i <= j} q'_i, i.e. the expected
+    accepted length from slot k on; zero at invalid slots. Detached by the caller."""
+    smooth = torch.where(valid, (1 - alpha) * q + alpha, torch.ones_like(q))
+    prefix = smooth.cumprod(-1) * valid
+    return prefix.flip(-1).cumsum(-1).flip(-1) * valid
+
 class _WeightedCE(torch.autograd.Function):
     """sum_i w_i * CE(h_i @ W^T, y_i) over the frozen LM head, in chunks of rows so the [N*B, vocab]
     logits never exist at once. The gradient wrt h is computed in the forward (W is frozen, so it is
-    the only gradient), which saves re-running the 2*Q*V*H-FLOP logits GEMM in the backward."""
+    the only gradient), which saves re-running the 2*Q*V*H-FLOP logits GEMM in the backward.
+    dpace=alpha: w is the 0/1 supervision and each block's weights are dpace_weights of the slots'
+    own probabilities (chunks of whole blocks of B rows), constants for the gradient."""
     @staticmethod
-    def forward(ctx, h, weight, labels, w, chunk):
+    def forward(ctx, h, weight, labels, w, chunk, B=16, dpace=None):
         loss, pred, grads = h.new_zeros((), dtype=torch.float32), [], []
         for s in range(0, h.shape[0], chunk):
             logits = (h[s:s + chunk] @ weight.t()).float()
@@ -165,6 +176,9 @@ class _WeightedCE(torch.autograd.Function):
             y = labels[s:s + chunk, None]
             w_chunk = w[s:s + chunk]
             ce = lse - logits.gather(1, y)[:, 0]
+            if dpace is not None:
+                w_chunk = dpace_weights((-ce).exp().view(-1, B), w_chunk.view(-1, B) > 0,
+                                        dpace).view(-1)
             loss = loss + (w_chunk * ce.masked_fill(w_chunk == 0, 0.0)).sum()  # no NaN * 0
             pred.append(logits.argmax(-1))
             if ctx.needs_input_grad[0]:
@@ -179,7 +193,7 @@ class _WeightedCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_loss, g_pred):
         (dh,) = ctx.saved_tensors
-        return (dh * g_loss).to(dh.dtype), None, None, None, None
+        return (dh * g_loss).to(dh.dtype), None, None, None, None, None, None
 
 # -----------------------------------------------------------------------------
 # 5) the drafter
@@ -429,7 +443,7 @@ class Drafter(nn.Module):
         return self.norm(h)
 
     def forward(self, feats, tokens, loss_mask, doc, pos, anchors, keep, embed, head, gamma=7.0,
-                flex=None, blocks=None, ce_chunk=1024):
+                flex=None, blocks=None, ce_chunk=1024, dpace=None):
         """Masked training forward over one packed row. feats [S, n_feat*H] target features;
         tokens/loss_mask/doc/pos [S]; anchors/keep [N] from sample_anchors; embed/head the target's
         frozen weights [vocab, H]. flex: None -> dense boolean mask + SDPA (CPU); else a dict of
@@ -455,10 +469,19 @@ class Drafter(nn.Module):
         supervised = keep[:, None] & (k > 0) & inside & (loss_mask[idx] > 0) & same_doc
         w = supervised.float() * decay                     # [N, B]
         labels = tokens[idx]
-        wce, pred = _WeightedCE.apply(h, head, labels.view(-1), w.view(-1), ce_chunk)
+        if dpace is None:
+            wce, pred = _WeightedCE.apply(h, head, labels.view(-1), w.view(-1), ce_chunk)
+            norm = w.sum().clamp(min=1e-6)
+        else:
+            # D-PACE: no decay; the sum over the row's samples (documents with an anchor), as
+            # SpecForge divides by its batch of samples
+            wce, pred = _WeightedCE.apply(h, head, labels.view(-1), supervised.float().view(-1),
+                                          max(B, ce_chunk // B * B), B, dpace)
+            d = doc[anchors]
+            norm = (keep & torch.cat([keep[:1], d[1:] != d[:-1]])).sum().clamp(min=1)
         correct = (pred.view(N, B) == labels) & supervised
         accepted = 1 + correct[:, 1:].long().cumprod(1).sum(1)  # anchor + leading correct slots
-        return dict(loss=wce / w.sum().clamp(min=1e-6), accept_sum=(accepted * keep).sum(),
+        return dict(loss=wce / norm, accept_sum=(accepted * keep).sum(),
                     blocks=keep.sum(), slot_correct=correct.sum(0), slot_count=supervised.sum(0))
 
     @torch.no_grad()
@@ -624,7 +647,7 @@ def config_from_json(cfg):
 # -----------------------------------------------------------------------------
 # 7) the drafter step
 
-def drafter_loss(drafter, feats, row, anchors, keep, blocks, embed, head, gamma, flex):
+def drafter_loss(drafter, feats, row, anchors, keep, blocks, embed, head, gamma, flex, dpace=None):
     """Drafter.forward on one packed row, under bf16 autocast on GPU: the graph train.py compiles
     (one graph, static shapes). row: {"tokens", "loss_mask", "doc", "pos"} [S] on the device;
     anchors, keep, blocks as drafter_step draws them. Evals run it too, with autograd recording and
@@ -633,10 +656,10 @@ def drafter_loss(drafter, feats, row, anchors, keep, blocks, embed, head, gamma,
     with torch.autocast("cuda", torch.bfloat16) if feats.is_cuda else nullcontext():
         return drafter(feats, tokens=row["tokens"], loss_mask=row["loss_mask"], doc=row["doc"],
                        pos=row["pos"], anchors=anchors, keep=keep, embed=embed, head=head,
-                       gamma=gamma, flex=flex, blocks=blocks)
+                       gamma=gamma, flex=flex, blocks=blocks, dpace=dpace)
 
 def drafter_step(drafter, feats, row, per_doc, capacity, embed, head, gamma=7.0, flex=None,
-                 loss=drafter_loss):
+                 loss=drafter_loss, dpace=None):
     """The drafter's part of a training step on one packed row, before its backward: the row's
     anchors (sample_anchors: up to per_doc per document, capacity per row) and, for flex, their
     BlockMask lists, made on the device just before the graph (a few eager kernels, no host sync)
@@ -648,7 +671,7 @@ def drafter_step(drafter, feats, row, per_doc, capacity, embed, head, gamma=7.0,
     blocks = None
     if flex is not None:
         blocks = block_lists(drafter.config, anchors, keep, row["doc"], row["doc"].shape[0])
-    return loss(drafter, feats, row, anchors, keep, blocks, embed, head, gamma, flex), wanted
+    return loss(drafter, feats, row, anchors, keep, blocks, embed, head, gamma, flex, dpace), wanted
 
 # -----------------------------------------------------------------------------
 # the checks that flex_attention really computes THE mask, with the fused backward

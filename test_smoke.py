@@ -1033,6 +1033,51 @@ def test_loss_weights_and_labels_by_hand(hand, monkeypatch):
     assert all(torch.isfinite(p.grad).all() for p in d.parameters()) and d.fc.weight.grad.abs().sum() > 0
 
 
+
+def test_dpace_weights_by_hand():
+    """model.dpace_weights on one block, q = 0.5, 0.2, 0.9: alpha 0.5 smooths to 0.75, 0.6, 0.95, prefix
+    products 0.75, 0.45, 0.4275, suffix sums 1.6275, 0.8775, 0.4275; a masked middle slot is a no-op in the
+    product and weighs 0; alpha 1 counts the valid slots left; alpha 0 uses q itself."""
+    q = torch.tensor([[0.5, 0.2, 0.9]])
+    every, middle = torch.tensor([[True, True, True]]), torch.tensor([[True, False, True]])
+    assert torch.allclose(model.dpace_weights(q, every, 0.5), torch.tensor([[1.6275, 0.8775, 0.4275]]))
+    assert torch.allclose(model.dpace_weights(q, middle, 0.5), torch.tensor([[1.4625, 0.0, 0.7125]]))
+    assert torch.equal(model.dpace_weights(q, middle, 1.0), torch.tensor([[2.0, 0.0, 1.0]]))
+    assert torch.allclose(model.dpace_weights(q, every, 0.0), torch.tensor([[0.5 + 0.1 + 0.09, 0.1 + 0.09, 0.09]]))
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.5, 1.0])
+def test_dpace_loss_through_the_step(hand, monkeypatch, alpha):
+    """Drafter.forward(dpace=alpha) on the hand-worked row (masked slots, blocks cut by the document end and
+    the row end, a padded anchor), loss and every gradient, == a plain-torch D-PACE over full logits: weights
+    from SpecForge's formula written as loops (detached), no decay, the sum over the row's 2 samples."""
+    t, d, r = hand
+    N, S, V = len(HAND_ANCHORS), len(HAND_DOC), t.config.vocab_size
+    d.zero_grad()
+    out = forward(d, t, r, gamma=GAMMA, ce_chunk=7, dpace=alpha)
+    out["loss"].backward()
+    got = {n: p.grad.clone() for n, p in d.named_parameters()}
+    captured, orig = [], model._WeightedCE.apply
+    monkeypatch.setattr(model._WeightedCE, "apply", lambda h, *a: captured.append(h) or orig(h, *a))
+    d.zero_grad()
+    forward(d, t, r, gamma=GAMMA)                        # the same h, with its graph
+    sup = torch.tensor(HAND_SUP).bool()
+    labels = r["tokens"][(r["anchors"][:, None] + torch.arange(HB)).clamp(max=S - 1)]
+    ce = F.cross_entropy(captured[0] @ t.lm_head.weight.T, labels.view(-1), reduction="none").view(N, HB)
+    q = (-ce).exp().detach()
+    w = torch.zeros(N, HB)
+    for j in range(N):
+        for k in range(HB):
+            for m in range(k, HB):
+                if sup[j, k] and sup[j, m]:
+                    w[j, k] += math.prod(float((1 - alpha) * q[j, i] + alpha) for i in range(m + 1) if sup[j, i])
+    ref = (w * ce * sup).sum() / 2
+    ref.backward()
+    assert abs(out["loss"].item() - ref.item()) <= 1e-5 * ref.item()
+    for n, p in d.named_parameters():
+        assert rel_err(got[n], p.grad) < 1e-4, n
+    assert out["slot_count"].tolist() == [0, 6, 3, 3, 3]
+
 def test_acceptance_proxy_by_hand(hand, monkeypatch):
     t, d, r = hand
     # pred == label at slots 1..4 ("raw", before the supervision mask), per block

@@ -72,6 +72,10 @@ group.add_argument("--row-anchors", type=number(int, 0), default=0,
                    help="draft blocks per packed row, fixed; 0: the data's 90th percentile")
 group.add_argument("--gamma", type=number(float, 0, above=True), default=7.0,
                    help="loss decay over block slots: weight exp(-(k-1)/gamma)")
+group.add_argument("--loss", choices=("dflash", "dpace"), default="dflash",
+                   help="dflash: decayed cross-entropy; dpace: D-PACE's expected-acceptance weights")
+group.add_argument("--dpace-alpha", type=number(float, 0, hi=1), default=0.5,
+                   help="D-PACE smoothing of the drafter's probability: (1 - alpha) q + alpha")
 group.add_argument("--lr", type=number(float, 0, above=True), default=6e-4,
                    help="peak AdamW learning rate")
 group.add_argument("--warmup", type=number(float, 0, hi=1), default=0.04,
@@ -463,7 +467,8 @@ if runs_drafter:
         torch._dynamo.config.fail_on_recompile_limit_hit = True
         loss_fn = torch.compile(drafter_loss, fullgraph=True, dynamic=False)
     step_fn = functools.partial(drafter_step, drafter, per_doc=per_doc, capacity=row_anchors,
-                                embed=embed, head=head, gamma=args.gamma, flex=flex, loss=loss_fn)
+                                embed=embed, head=head, gamma=args.gamma, flex=flex, loss=loss_fn,
+                                dpace=args.dpace_alpha if args.loss == "dpace" else None)
 
 # -----------------------------------------------------------------------------
 # resume: the drafter ranks read the checkpoint; every rank learns the step from the log rank
@@ -478,6 +483,8 @@ run = {"pairs": n_pairs, "--data": {k: train_ds.meta.get(k) for k in identity},
        "--drafter-layers": dcfg.num_hidden_layers, "--n-feat": n_feat,
        "--sliding-window": max(dcfg.windows().values()), "--mask-token-id": dcfg.mask_token_id,
        "drafter config": vars(dcfg), "target config": vars(tcfg)}
+if args.loss != "dflash":      # (absent from dflash runs: their older checkpoints still resume)
+    run.update({"--loss": args.loss, "--dpace-alpha": args.dpace_alpha})
 start_step, changed = 0, {}
 unreadable = ("is not a readable checkpoint of this run; delete it to start over, or point --out "
               "at the right run")
