@@ -39,7 +39,7 @@ from data import ArgParser, number
 parser = ArgParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 group = parser.add_argument_group("data")
 group.add_argument("--data", default=None,
-                   help="prepared dataset dir (data.py prepare); default: the demo, in ./data/demo")
+                   help="prepared dataset dir (prepare.py); default: the demo, in ./data/demo")
 group.add_argument("--budget", type=number(int, 1), default=128,
                    help="tokens per packed row (the context length), fixed")
 group.add_argument("--eval-rows", type=number(int, 0), default=8,
