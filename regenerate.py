@@ -83,7 +83,6 @@ def _done_lines(out, resume, log):
     if not resume:
         raise DataError(f"{out} already exists; pass --resume to continue it "
                         "(or remove it to start over)")
-    import re
     done, good = set(), 0
     with open(out, "rb") as f:
         for i, line in enumerate(f, 1):
