@@ -246,15 +246,15 @@ def replay(target, drafter, seqs, prompt_lens, max_new, eos=(), batch=64):
         a = (cu[:-1] + P).to(dev)                # each prompt's anchor: the prefill's token
         n_new = torch.ones(len(chunk), dtype=torch.long, device=dev)
         done = torch.isin(post[a - 1], eos_t) | (n_new >= max_new)
-        cycles = [[] for _ in chunk]
+        cycles, k = [[] for _ in chunk], torch.arange(B, device=dev)
         while not bool(done.all()):
             live = (~done).nonzero()[:, 0]
             at = a[live]
             draft = propose_at(drafter, feats, row, doc, pos, at, embed, head)      # [n, B-1]
-            want = post[at[:, None] + torch.arange(B, device=dev)]                  # [n, B]
+            want = post[at[:, None] + k]                                            # [n, B]
             acc = (draft == want[:, :-1]).long().cumprod(1).sum(1)
             # committed this cycle: want[:, :acc+1] (the accepted proposals and the bonus)
-            hit = torch.isin(want, eos_t) & (torch.arange(B, device=dev) <= acc[:, None])
+            hit = torch.isin(want, eos_t) & (k <= acc[:, None])
             a[live], n_new[live] = at + acc + 1, n_new[live] + acc + 1
             done[live] = hit.any(1) | (n_new[live] >= max_new)
             for j, x in zip(live.tolist(), (acc + 1).tolist()):
@@ -284,20 +284,25 @@ def tau_summary(cycles, block_size):
     return dict(tau=tau, tau_ci=ci, tau_mean=mean, tau_mean_ci=ci_mean, prompts=n,
                 cycles=sum(x), hist=hist)
 
-def load_pair(target_path, drafter_path, device):
-    """The target (a checkpoint dir or preset) and an exported drafter, in the device's dtype."""
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    preset = not os.path.isdir(target_path)
-    target = (Target.build(TargetConfig.preset(target_path), device=device, dtype=dtype) if preset
-              else Target.from_pretrained(target_path, device=device, dtype=dtype))
-    return target, Drafter.from_pretrained(drafter_path, device=device, dtype=dtype)
+def load_target(path, device, dtype):
+    """A checkpoint dir, or a preset's random weights."""
+    if os.path.isdir(path):
+        return Target.from_pretrained(path, device=device, dtype=dtype)
+    return Target.build(TargetConfig.preset(path), device=device, dtype=dtype)
+
+def hist_line(hist):
+    # hist[k-1]: cycles that committed k tokens
+    return "accepted+1 per cycle, count of cycles: " + " ".join(
+        f"{k}:{n}" for k, n in enumerate(hist, 1) if n)
 
 def replay_dataset(target_path, drafter_path, data_dir, max_new, n=None, device=None):
     """tau by replay on a dataset of prompts (loss mask 0) each followed by its greedy continuation
     (mask 1, >= max_new + B - 1 tokens past any eos), as quality.py writes them: tau_summary's
     dict, plus `differ`."""
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    target, drafter = load_pair(target_path, drafter_path, device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    target = load_target(target_path, device, dtype)
+    drafter = Drafter.from_pretrained(drafter_path, device=device, dtype=dtype)
     ds = open_dataset(data_dir)
     seqs, lens = [], []
     for i in range(min(n or len(ds), len(ds))):
@@ -454,10 +459,7 @@ def main(argv=None):
         sys.exit(f"error: prompt {bad[0]} has token ids past the target's vocab "
                  f"({tcfg.vocab_size}): wrong tokenizer or dataset for this target")
     try:
-        if preset:
-            target = Target.build(tcfg, device=device, dtype=dtype)
-        else:
-            target = Target.from_pretrained(args.target, device=device, dtype=dtype)
+        target = load_target(args.target, device, dtype)
     except (ValueError, KeyError, FileNotFoundError) as e:
         sys.exit(f"error: --target {args.target}: {e}")
     eos = hf_eos(args.target) if eos is None else eos
@@ -478,8 +480,7 @@ def main(argv=None):
         print(f"sampling at T = {args.temperature}: tau {r['tau']:.3f} +- {r['tau_ci']:.3f} (mean "
               f"accepted+1 over {r['cycles']} cycles of block {c.block_size}; 95% CI over "
               f"{r['prompts']} prompts)")
-        print("accepted+1 per cycle, count of cycles: "
-              + " ".join(f"{k}:{n}" for k, n in enumerate(r["hist"], 1) if n))
+        print(hist_line(r["hist"]))
         return r
     if args.replay:
         t0 = time.time()
@@ -492,8 +493,7 @@ def main(argv=None):
               f"{r['cycles']} cycles of block {c.block_size}; 95% CI over {r['prompts']} prompts) | "
               f"mean of per-prompt tau {r['tau_mean']:.3f} +- {r['tau_mean_ci']:.3f} | {differ} "
               f"decoded tokens differ from the forward's argmax | {time.time() - t0:.1f}s")
-        print("accepted+1 per cycle, count of cycles: "
-              + " ".join(f"{k}:{n}" for k, n in enumerate(r["hist"], 1) if n))
+        print(hist_line(r["hist"]))
         return r
     return evaluate(target, drafter, prompts, args.max_new_tokens, set(eos))
 

@@ -15,7 +15,6 @@ Speculative Decoding", arXiv:2602.06036), in reading order:
 Notation: S context tokens in a packed row, N anchors (draft blocks) per row, B tokens per block.
 """
 import json
-import math
 import os
 import time
 from contextlib import nullcontext
@@ -168,7 +167,7 @@ class _WeightedCE(torch.autograd.Function):
     dpace=alpha: w is the 0/1 supervision and each block's weights are dpace_weights of the slots'
     own probabilities (chunks of whole blocks of B rows), constants for the gradient."""
     @staticmethod
-    def forward(ctx, h, weight, labels, w, chunk, B=16, dpace=None):
+    def forward(ctx, h, weight, labels, w, chunk, B=None, dpace=None):
         loss, pred, grads = h.new_zeros((), dtype=torch.float32), [], []
         for s in range(0, h.shape[0], chunk):
             logits = (h[s:s + chunk] @ weight.t()).float()
@@ -296,7 +295,7 @@ class DrafterConfig:
             heads, kv_heads, head_dim = 32, 8, 128
         elif t.hidden_size >= 256:
             heads, head_dim = t.hidden_size // 64, 64
-            kv_heads = math.gcd(heads, 2)
+            kv_heads = 2 if heads % 2 == 0 else 1
         else:
             heads, kv_heads, head_dim = 4, 2, 16
         # published z-lab mask ids for Qwen3.5/3.6 and Qwen3

@@ -163,8 +163,8 @@ def train_target(b, cfg, stream, dev_stream, device):
     tc = TargetConfig(**{k: v for k, v in cfg.items() if k in TargetConfig.__dataclass_fields__},
                       rope_theta=cfg["rope_parameters"]["rope_theta"])
     cuda = device.type == "cuda"
-    # pad_docs is its own frame (after a graph break) seen with several dtypes and shapes
-    torch._dynamo.config.recompile_limit = 64
+    if cuda:    # pad_docs is its own frame (after a graph break) seen with several dtypes, shapes
+        torch._dynamo.config.recompile_limit = 64
     torch.manual_seed(b.seed)
     model = Target.build(tc, device=device).requires_grad_(True)
     B, T = b.batch, b.seq
@@ -244,6 +244,10 @@ def cut_at_eos(ans, eos=0):
     hit = np.flatnonzero(ans == eos)
     return ans[:hit[0] + 1] if len(hit) else ans
 
+def sample_of(prompt, answer):
+    # (ids, loss mask) of one sample: the prompt unsupervised, the answer supervised
+    return np.concatenate([prompt, answer]), np.arange(len(prompt) + len(answer)) >= len(prompt)
+
 SPLITS = ("train", "draft", "dev", "test")
 
 def tokenized(b, work):
@@ -304,20 +308,17 @@ def build(b, work, device):
     answers = continue_prompts(target, prompts["draft"], b.new_tokens, b.temperature, b.seed,
                                device)
     write_dataset(os.path.join(tmp, "data", "train"),
-                  ((np.concatenate([p, cut_at_eos(a)]), np.arange(len(p) + len(cut_at_eos(a)))
-                    >= len(p)) for p, a in zip(prompts["draft"], answers)), b.vocab)
+                  (sample_of(p, cut_at_eos(a)) for p, a in zip(prompts["draft"], answers)), b.vocab)
     d4 = {}
     for s in ("dev", "test"):
         # greedy, block_size tokens past the answer (the last cycle may accept them) and past eos
         ans = continue_prompts(target, prompts[s], b.new_tokens + 16, 0.0, b.seed, device)
-        samples = [(np.concatenate([p, a]), np.arange(len(p) + len(a)) >= len(p))
-                   for p, a in zip(prompts[s], ans)]
-        write_dataset(os.path.join(tmp, "data", f"{s}-greedy"), samples, b.vocab)
+        write_dataset(os.path.join(tmp, "data", f"{s}-greedy"),
+                      (sample_of(p, a) for p, a in zip(prompts[s], ans)), b.vocab)
         d4[s] = distinct4([a[:b.new_tokens] for a in ans])
         if s == "dev":   # train.py's held-out rows: the answers as the drafter is trained on them
             write_dataset(os.path.join(tmp, "data", "val"),
-                          ((np.concatenate([p, cut_at_eos(a[:b.new_tokens])]),
-                            np.arange(len(p) + len(cut_at_eos(a[:b.new_tokens]))) >= len(p))
+                          (sample_of(p, cut_at_eos(a[:b.new_tokens]))
                            for p, a in zip(prompts[s], ans)), b.vocab)
     corpus_d4 = distinct4([d[i:i + b.new_tokens] for d in enc["test"]
                            for i in range(0, len(d) - b.new_tokens, 4 * b.new_tokens)])
@@ -451,8 +452,7 @@ def main(argv=None):
             f"tau {res['tau_mean']:.3f} +- {res['tau_mean_ci']:.3f} | proxy accept "
             f"{ev['accept']:.3f} (dev rows) | eval loss {ev['loss']:.3f} | step {ev['step']}")
         log("slot acc " + " ".join(f"{a:.2f}" for a in ev["slot_acc"]))
-        log("accepted+1 per cycle, count of cycles: " + " ".join(
-            f"{k}:{c}" for k, c in enumerate(res["hist"], 1) if c))
+        log(generate.hist_line(res["hist"]))
         log(f"times: build {info['seconds']['total']:.0f}s (cached after the first) | train "
             f"{t_train:.0f}s | tau {t_tau:.1f}s | total {time.time() - t0:.0f}s")
 
