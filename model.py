@@ -165,9 +165,11 @@ class _WeightedCE(torch.autograd.Function):
     logits never exist at once. The gradient wrt h is computed in the forward (W is frozen, so it is
     the only gradient), which saves re-running the 2*Q*V*H-FLOP logits GEMM in the backward.
     dpace=alpha: w is the 0/1 supervision and each block's weights are dpace_weights of the slots'
-    own probabilities (chunks of whole blocks of B rows), constants for the gradient."""
+    own probabilities (chunks of whole blocks of B rows), constants for the gradient.
+    teacher [rows, H]: the target's normed final hidden state where each row's token is predicted,
+    and kd=W: each row's term is (1 - W) CE + W KL(softmax(teacher @ W^T) || softmax(h @ W^T))."""
     @staticmethod
-    def forward(ctx, h, weight, labels, w, chunk, B=None, dpace=None):
+    def forward(ctx, h, weight, labels, w, chunk, B=None, dpace=None, teacher=None, kd=0.0):
         loss, pred, grads = h.new_zeros((), dtype=torch.float32), [], []
         for s in range(0, h.shape[0], chunk):
             logits = (h[s:s + chunk] @ weight.t()).float()
@@ -175,14 +177,23 @@ class _WeightedCE(torch.autograd.Function):
             y = labels[s:s + chunk, None]
             w_chunk = w[s:s + chunk]
             ce = lse - logits.gather(1, y)[:, 0]
+            term = ce
+            if teacher is not None:
+                log_pt = (teacher[s:s + chunk] @ weight.t()).float().log_softmax(-1)
+                pt = log_pt.exp()
+                kl = (pt * (log_pt - logits + lse[:, None])).sum(-1)
+                term = (1 - kd) * ce + kd * kl
             if dpace is not None:
                 w_chunk = dpace_weights((-ce).exp().view(-1, B), w_chunk.view(-1, B) > 0,
                                         dpace).view(-1)
-            loss = loss + (w_chunk * ce.masked_fill(w_chunk == 0, 0.0)).sum()  # no NaN * 0
+            loss = loss + (w_chunk * term.masked_fill(w_chunk == 0, 0.0)).sum()  # no NaN * 0
             pred.append(logits.argmax(-1))
             if ctx.needs_input_grad[0]:
                 p = (logits - lse[:, None]).exp()                                 # softmax
-                p = p.scatter_add(1, y, -torch.ones_like(y, dtype=logits.dtype))  # softmax - onehot
+                # d term / d logits: softmax - (1 - W) onehot - W softmax(teacher)
+                p = p.scatter_add(1, y, torch.full_like(y, kd - 1, dtype=logits.dtype))
+                if teacher is not None:
+                    p = p - kd * pt
                 grads.append((p * w_chunk[:, None]).to(weight.dtype) @ weight)
         pred = torch.cat(pred)
         ctx.mark_non_differentiable(pred)
@@ -192,7 +203,7 @@ class _WeightedCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_loss, g_pred):
         (dh,) = ctx.saved_tensors
-        return (dh * g_loss).to(dh.dtype), None, None, None, None, None, None
+        return (dh * g_loss).to(dh.dtype), None, None, None, None, None, None, None, None
 
 # -----------------------------------------------------------------------------
 # 5) the drafter
@@ -442,13 +453,16 @@ class Drafter(nn.Module):
         return self.norm(h)
 
     def forward(self, feats, tokens, loss_mask, doc, pos, anchors, keep, embed, head, gamma=7.0,
-                flex=None, blocks=None, ce_chunk=1024, dpace=None):
+                flex=None, blocks=None, ce_chunk=1024, dpace=None, teacher=None, kd=None):
         """Masked training forward over one packed row. feats [S, n_feat*H] target features;
         tokens/loss_mask/doc/pos [S]; anchors/keep [N] from sample_anchors; embed/head the target's
         frozen weights [vocab, H]. flex: None -> dense boolean mask + SDPA (CPU); else a dict of
         flex_attention kernel options (GPU), with blocks = block_lists(...) computed before the
-        compiled graph. Returns a dict of device tensors: the loss and the sums behind acceptance
-        and per-slot accuracy."""
+        compiled graph. dpace=alpha: D-PACE's weights instead of the decay. teacher [S, H]: the
+        target's final hidden state (before its norm), with kd=(W, the target's final norm): each
+        slot's cross-entropy becomes (1 - W) CE + W KL against the target's own next-token
+        distribution there. Returns a dict of device tensors: the loss and the sums behind
+        acceptance and per-slot accuracy."""
         c, S, N, B = self.config, tokens.shape[0], anchors.shape[0], self.config.block_size
         dev = tokens.device
         k = torch.arange(B, device=dev)
@@ -469,15 +483,20 @@ class Drafter(nn.Module):
         w = supervised.float() * decay                     # [N, B]
         labels = tokens[idx]
         if dpace is None:
-            wce, pred = _WeightedCE.apply(h, head, labels.view(-1), w.view(-1), ce_chunk)
+            args = (h, head, labels.view(-1), w.view(-1), ce_chunk)
             norm = w.sum().clamp(min=1e-6)
         else:
             # D-PACE: no decay; the sum over the row's samples (documents with an anchor), as
             # SpecForge divides by its batch of samples
-            wce, pred = _WeightedCE.apply(h, head, labels.view(-1), supervised.float().view(-1),
-                                          max(B, ce_chunk // B * B), B, dpace)
+            args = (h, head, labels.view(-1), supervised.float().view(-1),
+                    max(B, ce_chunk // B * B), B, dpace)
             d = doc[anchors]
             norm = (keep & torch.cat([keep[:1], d[1:] != d[:-1]])).sum().clamp(min=1)
+        if teacher is not None:
+            # slot k predicts the token at anchor+k: the target's distribution after anchor+k-1
+            at = (anchors[:, None] + k - 1).clamp(0, S - 1).view(-1)
+            args = (*args, None, None)[:7] + (kd[1](teacher[at]), kd[0])
+        wce, pred = _WeightedCE.apply(*args)
         correct = (pred.view(N, B) == labels) & supervised
         accepted = 1 + correct[:, 1:].long().cumprod(1).sum(1)  # anchor + leading correct slots
         return dict(loss=wce / norm, accept_sum=(accepted * keep).sum(),
@@ -646,19 +665,24 @@ def config_from_json(cfg):
 # -----------------------------------------------------------------------------
 # 7) the drafter step
 
-def drafter_loss(drafter, feats, row, anchors, keep, blocks, embed, head, gamma, flex, dpace=None):
+def drafter_loss(drafter, feats, row, anchors, keep, blocks, embed, head, gamma, flex, dpace=None,
+                 kd=None):
     """Drafter.forward on one packed row, under bf16 autocast on GPU: the graph train.py compiles
     (one graph, static shapes). row: {"tokens", "loss_mask", "doc", "pos"} [S] on the device;
-    anchors, keep, blocks as drafter_step draws them. Evals run it too, with autograd recording and
-    no backward (their saved activations are freed with the output): a no_grad eval would be a
-    second graph, compiled once more."""
+    anchors, keep, blocks as drafter_step draws them. kd=(W, the target's final norm): the last
+    hidden-size columns of feats are the target's final hidden state, the distillation teacher.
+    Evals run it too, with autograd recording and no backward (their saved activations are freed
+    with the output): a no_grad eval would be a second graph, compiled once more."""
+    teacher, H = None, drafter.config.hidden_size
+    if kd is not None:
+        feats, teacher = feats[:, :-H], feats[:, -H:]
     with torch.autocast("cuda", torch.bfloat16) if feats.is_cuda else nullcontext():
         return drafter(feats, tokens=row["tokens"], loss_mask=row["loss_mask"], doc=row["doc"],
                        pos=row["pos"], anchors=anchors, keep=keep, embed=embed, head=head,
-                       gamma=gamma, flex=flex, blocks=blocks, dpace=dpace)
+                       gamma=gamma, flex=flex, blocks=blocks, dpace=dpace, teacher=teacher, kd=kd)
 
 def drafter_step(drafter, feats, row, per_doc, capacity, embed, head, gamma=7.0, flex=None,
-                 loss=drafter_loss, dpace=None):
+                 loss=drafter_loss, dpace=None, kd=None):
     """The drafter's part of a training step on one packed row, before its backward: the row's
     anchors (sample_anchors: up to per_doc per document, capacity per row) and, for flex, their
     BlockMask lists, made on the device just before the graph (a few eager kernels, no host sync)
@@ -670,7 +694,8 @@ def drafter_step(drafter, feats, row, per_doc, capacity, embed, head, gamma=7.0,
     blocks = None
     if flex is not None:
         blocks = block_lists(drafter.config, anchors, keep, row["doc"], row["doc"].shape[0])
-    return loss(drafter, feats, row, anchors, keep, blocks, embed, head, gamma, flex, dpace), wanted
+    return (loss(drafter, feats, row, anchors, keep, blocks, embed, head, gamma, flex, dpace, kd),
+            wanted)
 
 # -----------------------------------------------------------------------------
 # the checks that flex_attention really computes THE mask, with the fused backward

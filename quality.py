@@ -107,14 +107,20 @@ def distinct4(seqs):
 
 def hf_config(b):
     heads = max(1, b.hidden // 64)
+    # heads of 64 (kv heads a third, GDN key heads half); under 256 wide the `tiny` preset's
+    # layout (4 heads of hidden/2, GDN 2 key and 4 value heads of hidden/4), the demo's geometry
+    wide = b.hidden >= 256
+    att = dict(num_attention_heads=heads, num_key_value_heads=max(1, heads // 3), head_dim=64,
+               linear_num_key_heads=max(1, heads // 2), linear_num_value_heads=heads,
+               linear_key_head_dim=64, linear_value_head_dim=64) if wide else dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=b.hidden // 2,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=b.hidden // 4,
+        linear_value_head_dim=b.hidden // 4)
     return dict(architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text",
                 vocab_size=b.vocab, hidden_size=b.hidden, intermediate_size=b.intermediate,
                 num_hidden_layers=b.layers, full_attention_interval=4,
                 layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
-                             for i in range(b.layers)],
-                num_attention_heads=heads, num_key_value_heads=max(1, heads // 3), head_dim=64,
-                linear_num_key_heads=max(1, heads // 2), linear_num_value_heads=heads,
-                linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4,
+                             for i in range(b.layers)], **att, linear_conv_kernel_dim=4,
                 rms_norm_eps=1e-6, hidden_act="silu", max_position_embeddings=4096,
                 rope_parameters=dict(rope_type="default", rope_theta=100000.0,
                                      partial_rotary_factor=0.25),

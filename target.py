@@ -776,8 +776,8 @@ class Target(nn.Module):
     """Frozen hybrid target. Builds only what the caller needs: layers [first, n_layers) (up to the
     last tapped one on a target rank; none on a drafter rank, which borrows embed_tokens and
     lm_head; K.. on the drafter rank of a pair split at layer K, which starts from the hidden state
-    it receives and so has no embed_tokens) and lm_head when head=True (target ranks never need
-    it). Names stay the checkpoint's: the layers below `first` are empty slots of self.layers."""
+    it receives and so has no embed_tokens) and the final norm and lm_head when head=True (target
+    ranks never need them). Names stay the checkpoint's: the layers below `first` are empty slots of self.layers."""
     def __init__(self, config, n_layers=None, head=True, first=0):
         super().__init__()
         c = self.config = config
@@ -787,8 +787,8 @@ class Target(nn.Module):
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size) if first == 0 else None
         self.layers = nn.ModuleList([TargetLayer(c, c.layer_types[i]) if i >= first else None
                                      for i in range(self.n_layers)])
-        complete = first == 0 and self.n_layers == c.num_hidden_layers
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, plus_one=True) if complete else None
+        self.complete = first == 0 and self.n_layers == c.num_hidden_layers
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, plus_one=True) if head else None
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False) if head else None
         self.requires_grad_(False)
 
@@ -993,7 +993,8 @@ class Target(nn.Module):
         """One forward through every layer giving both `features` (None without layer_ids) and
         `logits` (speculative decoding: the verification forward also yields the next drafts'
         context)."""
-        assert self.norm is not None, "logits need every layer: build the target without n_layers"
+        assert self.complete and self.norm is not None, ("logits need every layer and the head: "
+                                                         "build the target without n_layers")
         taps = {}
         for i, h in self._run(ids, cu_seqlens, self.n_layers):
             if i in layer_ids:
@@ -1011,7 +1012,8 @@ class Target(nn.Module):
         len(prompts[j]) + new_tokens being prompt j and its continuation. The plain torch path
         (CPU, or any device). temperature > 0 samples from softmax(logits / temperature) instead
         (torch.multinomial with `generator`), as a serving engine samples answers."""
-        assert self.norm is not None, "greedy needs every layer: build the target without n_layers"
+        assert self.complete and self.norm is not None, ("greedy needs every layer and the head: "
+                                                         "build the target without n_layers")
         c, dev, n = self.config, self.embed_tokens.weight.device, len(prompts)
         lens = torch.tensor([len(p) for p in prompts], device=dev)
         seq = torch.zeros(n, int(lens.max()) + new_tokens, dtype=torch.long, device=dev)

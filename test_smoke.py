@@ -474,10 +474,10 @@ def test_partial_builds(small_ckpts, layout):
                                rtol=0, atol=0)
     with pytest.raises(AssertionError):
         part.features(c["ids"], c["cu"], [4])
-    # drafter rank: embed_tokens + lm_head only
     head = Target.from_pretrained(path, dtype=torch.float32, n_layers=0, head=True)
-    assert len(head.layers) == 0 and head.norm is None
-    assert {n for n, _ in head.named_parameters()} == {"embed_tokens.weight", "lm_head.weight"}
+    # drafter rank: embed_tokens, the final norm (distillation) and lm_head only
+    assert len(head.layers) == 0 and torch.equal(head.norm.weight, full.norm.weight)
+    assert {n for n, _ in head.named_parameters()} == {"embed_tokens.weight", "norm.weight", "lm_head.weight"}
     assert torch.equal(head.embed_tokens.weight, full.embed_tokens.weight)
     assert torch.equal(head.lm_head.weight, full.lm_head.weight)
     assert not torch.equal(head.lm_head.weight, head.embed_tokens.weight)
@@ -1077,6 +1077,48 @@ def test_dpace_loss_through_the_step(hand, monkeypatch, alpha):
     for n, p in d.named_parameters():
         assert rel_err(got[n], p.grad) < 1e-4, n
     assert out["slot_count"].tolist() == [0, 6, 3, 3, 3]
+
+@pytest.mark.parametrize("W", [0.0, 0.5, 1.0])
+def test_kd_loss_through_the_step(hand, monkeypatch, W):
+    """Drafter.forward(teacher=final hidden state, kd=(W, the target's norm)) on the hand-worked row, loss and
+    every gradient, == plain torch over the full vocabulary: slot k of anchor a against the target's
+    distribution after position a+k-1 (its norm and head), (1 - W) CE + W KL(target || drafter), decayed slot
+    weights; W = 0 is today's loss and gradients exactly."""
+    t, d, r = hand
+    N, S, H = len(HAND_ANCHORS), len(HAND_DOC), t.config.hidden_size
+    teacher = torch.randn(S, H, generator=torch.Generator().manual_seed(5)) * 3
+    d.zero_grad()
+    out = forward(d, t, r, gamma=GAMMA, ce_chunk=7, teacher=teacher, kd=(W, t.norm))
+    out["loss"].backward()
+    got = {n: p.grad.clone() for n, p in d.named_parameters()}
+    captured, orig = [], model._WeightedCE.apply
+    monkeypatch.setattr(model._WeightedCE, "apply", lambda h, *a: captured.append(h) or orig(h, *a))
+    d.zero_grad()
+    plain = forward(d, t, r, gamma=GAMMA, ce_chunk=7)             # the same h, with its graph
+    if W == 0:
+        assert torch.equal(out["loss"], plain["loss"])
+        plain["loss"].backward(retain_graph=True)     # h's graph serves the reference too
+        assert all(torch.equal(got[n], p.grad) for n, p in d.named_parameters())
+        d.zero_grad()
+    k = torch.arange(HB)
+    sup = torch.tensor(HAND_SUP).bool()
+    at = (r["anchors"][:, None] + k).clamp(max=S - 1)
+    logp = (captured[-1] @ t.lm_head.weight.T).log_softmax(-1).view(N, HB, -1)
+    ce = -logp.gather(-1, r["tokens"][at][..., None])[..., 0]
+    teach = torch.zeros(N, HB, t.config.vocab_size)
+    for j, a in enumerate(HAND_ANCHORS):
+        for m in range(1, HB):
+            teach[j, m] = (t.norm(teacher[min(a + m - 1, S - 1)]) @ t.lm_head.weight.T).log_softmax(-1)
+    kl = (teach.exp() * (teach - logp)).sum(-1)
+    w = sup * torch.exp(-(k - 1).clamp(min=0) / GAMMA)
+    ref = (w * ((1 - W) * ce + W * kl)).sum() / w.sum()
+    ref.backward()
+    assert abs(out["loss"].item() - ref.item()) <= 1e-5 * ref.item()
+    for n, p in d.named_parameters():
+        assert rel_err(got[n], p.grad) < 1e-4, n
+    if W:   # the teacher matters
+        assert abs(out["loss"].item() - plain["loss"].item()) > 1e-3
+
 
 def test_acceptance_proxy_by_hand(hand, monkeypatch):
     t, d, r = hand

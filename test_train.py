@@ -284,6 +284,19 @@ def test_split_pair_same_curve(unsplit_pair, tmp_path, K):
         assert r["busy_drafter"] == pytest.approx((r["ms_drafter"] + r["ms_target_on_drafter"]) / r["ms_step"])
 
 
+def test_kd_pair_trains_what_one_process_trains(tmp_path):
+    """--kd 0.5: the target rank also runs its last layers and sends its final hidden state after the taps; the
+    pair's losses, acceptance and grad norms equal one process's exactly, over 8 steps and 2 evals, and the
+    distillation changes them (against the same run without it)."""
+    flags = ["--max-steps", "8", "--log-interval", "1", "--eval-interval", "4", "--kd", "0.5"]
+    out = train(tmp_path / "pair", *flags, nproc=2, port=29547)
+    assert "layers 0..7 loaded; --kd 0.5: the last layer's output sent too" in out, out[-2000:]
+    train(tmp_path / "one", *flags)
+    train(tmp_path / "ce", *flags[:-2])
+    assert curve(tmp_path / "pair") == curve(tmp_path / "one") and len(curve(tmp_path / "one")) == 11
+    assert all(a[0] != b[0] for a, b in zip(curve(tmp_path / "one").values(), curve(tmp_path / "ce").values()))
+
+
 def test_split_resume_across_layers(unsplit_pair, tmp_path):
     """A split run at K = 3 stopped after its step-10 checkpoint and resumed at K = 1 (nothing tapped below it:
     only the hidden state travels) equals the straight unsplit run: the split is no part of the checkpoint."""
@@ -306,7 +319,8 @@ def test_split_layer_errors(tmp_path):
                                                 "the last tapped one (taps [1, 3, 5])"),
                        (["--split-layer", "x"], "error: --split-layer x: 0 (no split), auto, or a layer 1..5"),
                        (["--split-layer", "3"], "error: --split-layer 3: one process runs the whole target; a "
-                                                "split needs a pair (torchrun --nproc_per_node 2 or more)")]:
+                                                "split needs a pair (torchrun --nproc_per_node 2 or more)"),
+                       (["--split-layer", "3", "--kd", "0.5"], "error: --split-layer 3 with --kd: not built")]:
         assert one_line_error(run_apart(train_cmd(tmp_path, "--data", demo_data(), *flags))).startswith(msg)
 
 

@@ -76,6 +76,8 @@ group.add_argument("--loss", choices=("dflash", "dpace"), default="dflash",
                    help="dflash: decayed cross-entropy; dpace: D-PACE's expected-acceptance weights")
 group.add_argument("--dpace-alpha", type=number(float, 0, hi=1), default=0.5,
                    help="D-PACE smoothing of the drafter's probability: (1 - alpha) q + alpha")
+group.add_argument("--kd", type=number(float, 0, hi=1), default=0.0,
+                   help="distillation weight W: (1 - W) CE + W KL(target || drafter) per slot")
 group.add_argument("--lr", type=number(float, 0, above=True), default=6e-4,
                    help="peak AdamW learning rate")
 group.add_argument("--warmup", type=number(float, 0, hi=1), default=0.04,
@@ -403,10 +405,18 @@ if split != "auto":
         sys.exit(f"error: --split-layer {split}: 0 (no split), auto, or a layer 1..{last}, the "
                  f"last tapped one (taps {taps})")
     split = int(split)
+    if split and args.kd:
+        sys.exit(f"error: --split-layer {split} with --kd: not built (a split pair would run the "
+                 "target's last layers on the drafter GPU); use --split-layer 0")
     if split and world == 1:
         sys.exit(f"error: --split-layer {split}: one process runs the whole target; a split needs "
                  "a pair (torchrun --nproc_per_node 2 or more)")
-n_layers = last + 1 if runs_target else 0
+# --kd: the target also runs its last layers and sends its final hidden state after the taps, the
+# teacher whose distribution (final norm, LM head: the drafter rank's) the drafter distils
+sent = [*taps, tcfg.num_hidden_layers - 1] if args.kd else taps
+if args.kd:
+    split = 0       # not auto
+n_layers = max(sent) + 1 if runs_target else 0
 if args.generate_prompts and world == 1:
     # generation needs every layer and the head, not just the tapped ones
     n_layers = None
@@ -468,7 +478,8 @@ if runs_drafter:
         loss_fn = torch.compile(drafter_loss, fullgraph=True, dynamic=False)
     step_fn = functools.partial(drafter_step, drafter, per_doc=per_doc, capacity=row_anchors,
                                 embed=embed, head=head, gamma=args.gamma, flex=flex, loss=loss_fn,
-                                dpace=args.dpace_alpha if args.loss == "dpace" else None)
+                                dpace=args.dpace_alpha if args.loss == "dpace" else None,
+                                kd=(args.kd, target.norm) if args.kd else None)
 
 # -----------------------------------------------------------------------------
 # resume: the drafter ranks read the checkpoint; every rank learns the step from the log rank
@@ -485,6 +496,8 @@ run = {"pairs": n_pairs, "--data": {k: train_ds.meta.get(k) for k in identity},
        "drafter config": vars(dcfg), "target config": vars(tcfg)}
 if args.loss != "dflash":      # (absent from dflash runs: their older checkpoints still resume)
     run.update({"--loss": args.loss, "--dpace-alpha": args.dpace_alpha})
+if args.kd:
+    run["--kd"] = args.kd
 start_step, changed = 0, {}
 unreadable = ("is not a readable checkpoint of this run; delete it to start over, or point --out "
               "at the right run")
@@ -552,7 +565,8 @@ for i in infos:
     print0(f"  rank {i['rank']}: {i['role']:<14} pair {i['pair']} on {i['device']} | "
            f"caches {' '.join(i['caches'])}")
 print0(f"target: {args.target} ({tcfg.num_hidden_layers} layers, hidden {tcfg.hidden_size}, "
-       f"vocab {tcfg.vocab_size}), taps {taps}, layers 0..{max(taps)} loaded")
+       f"vocab {tcfg.vocab_size}), taps {taps}, layers 0..{max(sent)} loaded"
+       + (f"; --kd {args.kd}: the last layer's output sent too" if args.kd else ""))
 if runs_drafter:
     n_params = sum(p.numel() for p in drafter.parameters())
     attention = "flex_attention (compiled)" if cuda else "dense mask + SDPA (CPU)"
@@ -762,6 +776,7 @@ def capture_update(feats, packed, step):
 # the pair protocol. Per "train" and "eval" item of the schedule the target sends its drafter one
 # row, in one batched P2P op (NCCL serializes unbatched sends with every other op on the group):
 #   features  [budget, n_feat * hidden] in the target's dtype (bf16; fp32 on CPU): the taps' outputs
+#             (--kd: [budget, (n_feat + 1) * hidden], the last layer's output after them)
 #   fields    [5, budget] int64: ROW_FIELDS
 # A pair split at layer K (--split-layer) sends, instead of the features, the taps below K
 # [budget, n_below * hidden] (none below the first tap) and the hidden state after layer K-1
@@ -856,10 +871,10 @@ class TargetSide:
         self.train_rows += kind == "train"
         # the first train row autotunes fla's kernels; the second is timed
         if self.train_rows == 2 and graphs_wanted and not tcfg.num_experts:
-            feats, bound = launch_bound("target forward", target.features, packed[0], cu, taps)
-            self.graphs = FeatureGraphs(target, taps) if bound else None
+            feats, bound = launch_bound("target forward", target.features, packed[0], cu, sent)
+            self.graphs = FeatureGraphs(target, sent) if bound else None
             return [feats], packed
-        return [target.features(packed[0], cu, taps)], packed
+        return [target.features(packed[0], cu, sent)], packed
 
 class DrafterSide:
     """A drafter rank's side (world size 1: with the target in this process). next(kind, r) ->
@@ -870,7 +885,7 @@ class DrafterSide:
         self.split, self.forwards = 0, []
         self.local = TargetSide() if world == 1 else None
         if world > 1:
-            self.bufs = (torch.empty(budget, n_feat * tcfg.hidden_size, dtype=tdtype,
+            self.bufs = (torch.empty(budget, len(sent) * tcfg.hidden_size, dtype=tdtype,
                                      device=device),
                          torch.empty(len(ROW_FIELDS), budget, dtype=torch.int64, device=device))
 
