@@ -13,7 +13,8 @@ GPU checks and measurements (needs CUDA and fla-core; not part of the CPU test s
   python bench.py drafter --anchors 512      # the 27B drafter's training step alone (train.py's
                                              # step, random features): compile time, ms, MFU, peak
                                              # memory, fused flex backward seen (per layer kind;
-                                             # --sliding-window 0 for all full layers)
+                                             # --sliding-window 0 for all full layers; --kd 0.5
+                                             # with distillation)
   python bench.py sweep                      # the drafter step over anchors 128..1024 x budget
                                              # 4096..16384 (--shapes)
   python bench.py pair --anchors 512 --budget 8192 --steps 30
@@ -79,6 +80,8 @@ p.add_argument("--drafter-layers", type=int, default=None,
 p.add_argument("--sliding-window", type=int, default=None,
                help="tokens per sliding drafter layer, all but the last sliding (default: the "
                "published layout, 2048 for the 27B, 4096 for the 35B-A3B); 0: all full")
+p.add_argument("--kd", type=float, default=0.0,
+               help="drafter, pair: train.py's --kd W (the target's final hidden state sent too)")
 p.add_argument("--steps", type=int, default=30,
                help="training steps per train.py run (the last 10 are timed)")
 p.add_argument("--timeout", type=float, default=600, help="seconds allowed for each train.py run")
@@ -349,7 +352,7 @@ elif args.what in ("drafter", "sweep"):
     tcfg = TargetConfig.preset(args.target)
     dcfg = DrafterConfig.from_target(tcfg, num_hidden_layers=args.drafter_layers,
                                      sliding_window=args.sliding_window)
-    # embed_tokens + lm_head only
+    # embed_tokens, the final norm and lm_head only
     tgt = Target.build(tcfg, device=dev, dtype=torch.bfloat16, n_layers=0)
     torch.manual_seed(0)
     d = Drafter(dcfg).to(dev)
@@ -364,14 +367,16 @@ elif args.what in ("drafter", "sweep"):
         doc, pos = doc_pos(cu)
         tokens = torch.randint(0, tcfg.vocab_size, (S,), device=dev)
         lm = (torch.rand(S, device=dev) < 0.7).long()
-        feats = torch.randn(S, len(dcfg.target_layer_ids) * tcfg.hidden_size, device=dev,
-                            dtype=torch.bfloat16)
+        # --kd: the teacher (the target's final hidden state) after the taps
+        feats = torch.randn(S, (len(dcfg.target_layer_ids) + (args.kd > 0)) * tcfg.hidden_size,
+                            device=dev, dtype=torch.bfloat16)
         row = dict(tokens=tokens, loss_mask=lm, doc=doc, pos=pos)
         loss = torch.compile(drafter_loss, fullgraph=True, dynamic=False)  # as train.py compiles it
         def step():
             # N anchors per row, from any document
             out, _ = drafter_step(d, feats, row, S, N, tgt.embed_tokens.weight, tgt.lm_head.weight,
-                                  7.0, kernel_options, loss)
+                                  7.0, kernel_options, loss,
+                                  kd=(args.kd, tgt.norm) if args.kd else None)
             out["loss"].backward()
             torch.nn.utils.clip_grad_norm_(d.parameters(), 1.0)
             opt.step()
@@ -428,6 +433,8 @@ elif args.what == "pair":
         common += ["--sliding-window", str(args.sliding_window)]
     if args.drafter_layers is not None:
         common += ["--drafter-layers", str(args.drafter_layers)]
+    if args.kd:
+        common += ["--kd", str(args.kd)]
     split = [] if args.split_layer is None else ["--split-layer", args.split_layer]
     runs = {"one": [sys.executable] + common,
             "pair": ["torchrun", "--nproc_per_node=2"] + common + split}

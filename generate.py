@@ -83,39 +83,72 @@ def speculative(target, drafter, prompt, max_new, eos=()):
     return _finish(seq[P:], max_new, eos), accepted, 1 + len(accepted)
 
 def drafter_sampler(drafter, embed, head, temperature, generator):
-    """draft(ctx, seq, a) -> (B-1 proposals, their distributions q [B-1, vocab]): each block slot
-    sampled from the drafter's own softmax(logits / temperature), all slots from one forward."""
-    def draft(ctx, seq, a):
-        q = (drafter.propose(ctx, torch.arange(a, device=seq.device), seq[a], a, embed, head)[1]
-             / temperature).softmax(-1)
-        return torch.multinomial(q, 1, generator=generator)[:, 0], q
+    """draft(feats, tokens, doc, pos, anchors) -> (B-1 proposals per anchor [n, B-1], their
+    distributions [n, B-1, vocab]): each block slot sampled from the drafter's own
+    softmax(logits / temperature), every slot of every anchor from one forward (propose_at)."""
+    def draft(feats, tokens, doc, pos, anchors):
+        logits = propose_at(drafter, feats, tokens, doc, pos, anchors, embed, head, argmax=False)
+        q = (logits / temperature).softmax(-1)
+        x = torch.multinomial(q.flatten(0, 1), 1, generator=generator)[:, 0]
+        return x.view(q.shape[:2]), q
     return draft
 
-def speculative_sampling(target, draft, prompt, max_new, temperature, generator, B, taps, eos=()):
+def _packed(seqs):
+    # sequences as the documents of one row: ids, cu_seqlens (CPU), doc and pos (on the device)
+    lens = torch.tensor([len(s) for s in seqs])
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
+    dev = seqs[0].device
+    return (torch.cat(seqs), cu, torch.repeat_interleave(torch.arange(len(seqs)), lens).to(dev),
+            positions_from_cu(cu).to(dev))
+
+def speculative_sampling(target, draft, prompts, max_new, temperature, generator, B, taps, eos=()):
     """speculative() at temperature > 0, verified as SGLang and vLLM verify (Leviathan et al.,
-    arXiv:2211.17192): proposal x_i (from draft, as drafter_sampler) is accepted with probability
-    min(1, p_i(x_i) / q_i(x_i)), p_i the target's softmax(logits / temperature) after slot i; the
-    first rejected slot takes a token drawn from max(p_i - q_i, 0) renormalised, a block accepted
-    whole the target's own next token. The output follows the target's sampling distribution
-    exactly. Returns (new tokens, acc+1 per cycle, target forwards)."""
-    P = len(prompt)
+    arXiv:2211.17192), for many prompts at once: per cycle one draft call for every live prompt's
+    anchor and one target forward over each prompt + its proposals, packed as the documents of one
+    row. Proposal x_i (draft: drafter_sampler) is accepted with probability min(1, p_i(x_i) /
+    q_i(x_i)), p_i the target's softmax(logits / temperature) after slot i; the first rejected slot
+    takes a token drawn from max(p_i - q_i, 0) renormalised, a block accepted whole the target's
+    own next token. Each output follows the target's sampling distribution exactly. Returns (new
+    tokens per prompt, acc+1 per cycle per prompt)."""
+    n, dev = len(prompts), prompts[0].device
     sample = lambda p: torch.multinomial(p, 1, generator=generator)[:, 0]
-    ctx, logits = _forward(target, prompt, taps, [P - 1])
-    seq = torch.cat([prompt, sample((logits / temperature).softmax(-1))])
-    accepted = []
-    while len(seq) - P < max_new and not any(t in eos for t in seq[P:].tolist()):
-        a = len(seq) - 1
-        x, q = draft(ctx, seq, a)                                              # [B-1], [B-1, V]
-        feats, logits = _forward(target, torch.cat([seq, x]), taps, list(range(a, a + B)))
-        p = (logits / temperature).softmax(-1)                                 # [B, V]
-        i = torch.arange(B - 1, device=x.device)
-        u = torch.rand(B - 1, generator=generator, device=x.device)
-        acc = int((u * q[i, x] < p[i, x]).cumprod(0).sum())     # u < p/q, without dividing by 0
-        rest = (p[acc] - q[acc]).clamp(min=0) if acc < B - 1 else p[acc]
-        seq = torch.cat([seq, x[:acc], sample(rest[None] / rest.sum())])
-        ctx = torch.cat([ctx, feats[a:a + acc + 1]])
-        accepted.append(acc + 1)
-    return _finish(seq[P:], max_new, eos), accepted, 1 + len(accepted)
+    ids, cu, _, _ = _packed(prompts)
+    feats, logits = target.features_and_logits(ids, cu, taps, at=(cu[1:] - 1).to(dev))
+    first = sample((logits / temperature).softmax(-1))
+    seqs = [torch.cat([p, first[j:j + 1]]) for j, p in enumerate(prompts)]
+    # features of each prompt's committed positions but its last (the anchor: none yet)
+    ctx = [feats[cu[j]:cu[j + 1]] for j in range(n)]
+    cycles = [[] for _ in prompts]
+    live = [j for j in range(n) if int(first[j]) not in eos and max_new > 1]
+    k = torch.arange(B, device=dev)
+    while live:
+        # the drafter: each live sequence a document, the anchor's feature row a placeholder
+        ids, cu, doc, pos = _packed([seqs[j] for j in live])
+        f = torch.cat([torch.cat([ctx[j], ctx[j][:1] * 0]) for j in live])
+        a = (cu[1:] - 1).to(dev)                                   # anchors, in the packed row
+        x, q = draft(f, ids, doc, pos, a)                          # [m, B-1], [m, B-1, V]
+        ids, cu, _, _ = _packed([torch.cat([seqs[j], x[i]]) for i, j in enumerate(live)])
+        at = (cu[:-1].to(dev) + torch.tensor([len(seqs[j]) - 1 for j in live], device=dev))
+        feats, logits = target.features_and_logits(ids, cu, taps, at=(at[:, None] + k).view(-1))
+        p = (logits / temperature).softmax(-1).view(len(live), B, -1)          # [m, B, V]
+        u = torch.rand(x.shape, generator=generator, device=dev)
+        px, qx = p[:, :-1].gather(-1, x[..., None])[..., 0], q.gather(-1, x[..., None])[..., 0]
+        acc = (u * qx < px).long().cumprod(1).sum(1)               # u < p/q, without dividing by 0
+        m = torch.arange(len(live), device=dev)
+        q0 = torch.cat([q, torch.zeros_like(q[:, :1])], 1)         # no q after the last slot
+        rest = (p[m, acc] - q0[m, acc]).clamp(min=0)
+        bonus = sample(rest / rest.sum(-1, keepdim=True))
+        still = []
+        for i, j in enumerate(live):
+            c = int(acc[i])
+            seqs[j] = torch.cat([seqs[j], x[i, :c], bonus[i:i + 1]])
+            ctx[j] = feats[int(cu[i]):int(cu[i]) + len(seqs[j]) - 1]
+            cycles[j].append(c + 1)
+            if len(seqs[j]) - len(prompts[j]) < max_new and not any(
+                    t in eos for t in seqs[j][-c - 1:].tolist()):
+                still.append(j)
+        live = still
+    return [_finish(s[len(p):], max_new, eos) for s, p in zip(seqs, prompts)], cycles
 
 def greedy(target, prompt, max_new, eos=()):
     """Plain greedy decoding, one full-sequence target forward per token. Returns the new tokens."""
@@ -200,10 +233,11 @@ def evaluate(target, drafter, prompts, max_new, eos=(), log=print):
 # -----------------------------------------------------------------------------
 # tau by replay: no decoding
 
-def propose_at(drafter, feats, tokens, doc, pos, anchors, embed, head):
+def propose_at(drafter, feats, tokens, doc, pos, anchors, embed, head, argmax=True):
     """Drafter.propose for N anchors of one packed row at once: block j = [tokens[anchors[j]],
     mask x (B-1)], its context the features of its document before the anchor (the training mask,
-    dense). feats [S, n_feat*H], tokens/doc/pos [S], anchors [N] ascending -> proposals [N, B-1]."""
+    dense). feats [S, n_feat*H], tokens/doc/pos [S], anchors [N] ascending -> proposals [N, B-1]
+    (argmax=False: their logits [N, B-1, vocab])."""
     c, N, S = drafter.config, anchors.shape[0], tokens.shape[0]
     k = torch.arange(c.block_size, device=tokens.device)
     block = torch.full((N, c.block_size), c.mask_token_id, dtype=torch.long, device=tokens.device)
@@ -212,7 +246,8 @@ def propose_at(drafter, feats, tokens, doc, pos, anchors, embed, head):
     attend = row_attention(c, anchors, keep, doc, S)
     h = drafter.hidden(feats, pos, F.embedding(block.view(-1), embed),
                        (pos[anchors][:, None] + k).view(-1), attend)
-    return (h.view(N, c.block_size, -1)[:, 1:] @ head.t()).float().argmax(-1)
+    logits = (h.view(N, c.block_size, -1)[:, 1:] @ head.t()).float()
+    return logits.argmax(-1) if argmax else logits
 
 @torch.inference_mode()
 def replay(target, drafter, seqs, prompt_lens, max_new, eos=(), batch=64):
@@ -295,10 +330,12 @@ def hist_line(hist):
     return "accepted+1 per cycle, count of cycles: " + " ".join(
         f"{k}:{n}" for k, n in enumerate(hist, 1) if n)
 
-def replay_dataset(target_path, drafter_path, data_dir, max_new, n=None, device=None):
+def replay_dataset(target_path, drafter_path, data_dir, max_new, n=None, device=None,
+                   temperature=0.0, seed=0):
     """tau by replay on a dataset of prompts (loss mask 0) each followed by its greedy continuation
     (mask 1, >= max_new + B - 1 tokens past any eos), as quality.py writes them: tau_summary's
-    dict, plus `differ`."""
+    dict, plus `differ`. temperature > 0: tau of speculative sampling from the same prompts (the
+    continuations unused), seeded."""
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     target = load_target(target_path, device, dtype)
@@ -309,8 +346,18 @@ def replay_dataset(target_path, drafter_path, data_dir, max_new, n=None, device=
         tokens, mask = ds.sample(i)
         seqs.append(torch.from_numpy(tokens.astype("int64")))
         lens.append(int(mask.argmax()))
-    cycles, differ = replay(target, drafter, seqs, lens, max_new, set(hf_eos(target_path)))
-    return dict(tau_summary(cycles, drafter.config.block_size), differ=differ)
+    c, eos = drafter.config, set(hf_eos(target_path))
+    if temperature:
+        g = torch.Generator(device).manual_seed(seed)
+        draft = drafter_sampler(drafter, target.embed_tokens.weight, target.lm_head.weight,
+                                temperature, g)
+        with torch.inference_mode():
+            cycles = speculative_sampling(target, draft, [s[:p].to(device) for s, p in
+                                                          zip(seqs, lens)], max_new, temperature,
+                                          g, c.block_size, c.target_layer_ids, eos)[1]
+        return dict(tau_summary(cycles, c.block_size), differ=0)
+    cycles, differ = replay(target, drafter, seqs, lens, max_new, eos)
+    return dict(tau_summary(cycles, c.block_size), differ=differ)
 
 # -----------------------------------------------------------------------------
 # prompts
@@ -473,9 +520,9 @@ def main(argv=None):
         embed, head = target.embed_tokens.weight, target.lm_head.weight
         draft = drafter_sampler(drafter, embed, head, args.temperature, g)
         with torch.inference_mode():
-            cycles = [speculative_sampling(target, draft, p, args.max_new_tokens, args.temperature,
-                                           g, c.block_size, c.target_layer_ids, set(eos))[1]
-                      for p in prompts]
+            cycles = speculative_sampling(target, draft, prompts, args.max_new_tokens,
+                                          args.temperature, g, c.block_size, c.target_layer_ids,
+                                          set(eos))[1]
         r = tau_summary(cycles, c.block_size)
         print(f"sampling at T = {args.temperature}: tau {r['tau']:.3f} +- {r['tau_ci']:.3f} (mean "
               f"accepted+1 over {r['cycles']} cycles of block {c.block_size}; 95% CI over "

@@ -8,6 +8,7 @@ cycle, replayed exactly on held-out prompts (generate.py's replay), mean +- 95% 
   python quality.py                              # build or reuse; train with the defaults; tau on test
   python quality.py --split dev -- --lr 1e-3     # tune on dev: flags after -- go to train.py
   python quality.py --curve 1500,3000,4500       # tau of runs of these many steps: converged?
+  python quality.py --tau-temperature 1 -- --kd 0.5   # distilled; tau greedy and sampled at T = 1
   python quality.py --build-only                 # the target and its data, nothing else
 
 Files are split by a hash of their path: 80% train the target, 10% give the drafter's training
@@ -398,6 +399,8 @@ def main(argv=None):
                     help="prompts tau is measured on: tune on dev, report on test")
     ap.add_argument("--prompts", type=number(int, 1), default=None,
                     help="replayed prompts (default: all of the split)")
+    ap.add_argument("--tau-temperature", type=number(float, 0), default=0.0,
+                    help="> 0: also tau of speculative sampling at this temperature")
     ap.add_argument("--curve", default=None, metavar="N,N,...",
                     help="learning curve: one train.py run per step count (--max-steps N), tau of each")
     ap.add_argument("--build-only", action="store_true", help="build the target and data, stop")
@@ -459,6 +462,16 @@ def main(argv=None):
             f"{ev['accept']:.3f} (dev rows) | eval loss {ev['loss']:.3f} | step {ev['step']}")
         log("slot acc " + " ".join(f"{a:.2f}" for a in ev["slot_acc"]))
         log(generate.hist_line(res["hist"]))
+        if args.tau_temperature:
+            t3 = time.time()
+            res = generate.replay_dataset(tdir, os.path.join(out, "drafter"),
+                                          os.path.join(ddir, f"{args.split}-greedy"), b.new_tokens,
+                                          args.prompts, device, args.tau_temperature, b.seed)
+            log(f"tau {args.split} at T = {args.tau_temperature} {res['tau']:.3f} +- "
+                f"{res['tau_ci']:.3f} (speculative sampling, {res['cycles']} cycles, "
+                f"{res['prompts']} prompts) | mean of per-prompt tau {res['tau_mean']:.3f} +- "
+                f"{res['tau_mean_ci']:.3f} | {time.time() - t3:.1f}s")
+            log(generate.hist_line(res["hist"]))
         log(f"times: build {info['seconds']['total']:.0f}s (cached after the first) | train "
             f"{t_train:.0f}s | tau {t_tau:.1f}s | total {time.time() - t0:.0f}s")
 

@@ -2977,8 +2977,8 @@ def test_quality_command_end_to_end(tmp_path, capsys):
              "--target-new-tokens", "24"]
     quality.main(small + ["--build-only"])
     assert "built " in capsys.readouterr().out
-    quality.main(small + ["--out", str(tmp_path / "run"), "--", "--budget", "256", "--anchors", "8",
-                          "--max-steps", "3", "--eval-rows", "2", "--no-compile"])
+    quality.main(small + ["--out", str(tmp_path / "run"), "--tau-temperature", "1", "--", "--budget", "256",
+                          "--anchors", "8", "--max-steps", "3", "--eval-rows", "2", "--no-compile"])
     out = capsys.readouterr().out
     assert "reusing the target and data" in out
     tau = float(re.search(r"tau test ([\d.]+) \+- ", out).group(1))
@@ -2988,6 +2988,11 @@ def test_quality_command_end_to_end(tmp_path, capsys):
                                   str(build / "data" / "test-greedy"), 24)
     assert res["tau"] == pytest.approx(tau, abs=5e-4) and sum(hist.values()) == res["cycles"]
     assert sum(k * n for k, n in hist.items()) / res["cycles"] == pytest.approx(res["tau"])
+    # --tau-temperature 1: speculative sampling from the same prompts, seeded by the build's seed
+    sampled = float(re.search(r"tau test at T = 1.0 ([\d.]+) \+- ", out).group(1))
+    res = generate.replay_dataset(str(build / "target"), str(tmp_path / "run" / "drafter"),
+                                  str(build / "data" / "test-greedy"), 24, temperature=1.0, seed=0)
+    assert res["tau"] == pytest.approx(sampled, abs=5e-4) and res["prompts"] == 4 and res["cycles"] >= 4 * 24 / 16
 
 
 def chi_square(draws, probs):
@@ -3003,29 +3008,34 @@ def chi_square(draws, probs):
 
 
 def test_speculative_sampling_keeps_the_target_distribution():
-    """generate.speculative_sampling on a target of 8 tokens, blocks of 4, T = 1.5: with proposals from a
-    fixed distribution unlike the target's, the 2nd and 3rd emitted tokens (the accept/reject path of the
-    first cycle) follow the target's own sampling marginals, computed exactly (chi-square over 2000 runs,
-    below its 0.999 quantile); proposals drawn from the target itself are always accepted."""
+    """generate.speculative_sampling on a target of 8 tokens, blocks of 4, T = 1.5, 2000 copies of one prompt
+    in one call: with proposals from a fixed distribution unlike the target's, the 2nd and 3rd emitted tokens
+    (the accept/reject path of the first cycle) follow the target's own sampling marginals, computed exactly
+    (chi-square below its 0.999 quantile); proposals drawn from the target itself are always accepted."""
     cfg = dataclasses.replace(TargetConfig.preset("tiny"), vocab_size=8)
     t, T, B, taps = Target.build(cfg), 1.5, 4, [1]
     prompt = torch.tensor([3, 1, 4, 1, 5])
     g = torch.Generator().manual_seed(0)
     q_fixed = (torch.randn(B - 1, 8, generator=g) * 2).softmax(-1)
 
-    def fixed(ctx, seq, a):
-        return torch.multinomial(q_fixed, 1, generator=g)[:, 0], q_fixed
+    def fixed(feats, tokens, doc, pos, anchors):
+        q = q_fixed.expand(len(anchors), B - 1, 8)
+        return torch.multinomial(q.flatten(0, 1), 1, generator=g)[:, 0].view(-1, B - 1), q
 
-    def the_target(ctx, seq, a):
-        x, q = [], []
-        for _ in range(B - 1):
-            ids = torch.cat([seq, torch.tensor(x, dtype=torch.long)])
-            p = (t.logits(ids, torch.tensor([0, len(ids)]), at=torch.tensor([len(ids) - 1]))[0] / T).softmax(-1)
-            x.append(int(torch.multinomial(p, 1, generator=g)))
-            q.append(p)
-        return torch.tensor(x), torch.stack(q)
-    runs = [generate.speculative_sampling(t, fixed, prompt, 3, T, g, B, taps) for _ in range(2000)]
-    assert all(len(new) == 3 for new, _, _ in runs) and any(c[0] < B for _, c, _ in runs)
+    def the_target(feats, tokens, doc, pos, anchors):
+        xs, qs = [], []
+        for a in anchors.tolist():
+            seq, x, q = tokens[(doc == doc[a]).nonzero()[0, 0]:a + 1], [], []
+            for _ in range(B - 1):
+                ids = torch.cat([seq, torch.tensor(x, dtype=torch.long)])
+                p = (t.logits(ids, torch.tensor([0, len(ids)]), at=torch.tensor([len(ids) - 1]))[0] / T).softmax(-1)
+                x.append(int(torch.multinomial(p, 1, generator=g)))
+                q.append(p)
+            xs.append(torch.tensor(x))
+            qs.append(torch.stack(q))
+        return torch.stack(xs), torch.stack(qs)
+    news, cycles = generate.speculative_sampling(t, fixed, [prompt] * 2000, 3, T, g, B, taps)
+    assert all(len(new) == 3 for new in news) and any(c[0] < B for c in cycles)
     # exact marginals of sampling the target: P(x1), then P(x2) and P(x3) summed over the prefixes
     def next_probs(prefixes):
         seqs = [torch.cat([prompt, torch.tensor(x, dtype=torch.long)]) for x in prefixes]
@@ -3035,12 +3045,14 @@ def test_speculative_sampling_keeps_the_target_distribution():
     p12 = p1[:, None] * next_probs([[a] for a in range(8)])                          # [x1, x2]
     p3 = (p12.view(-1, 1) * next_probs([[a, b] for a in range(8) for b in range(8)])).sum(0)
     for k, probs in ((1, p12.sum(0)), (2, p3)):
-        stat, dof = chi_square(torch.tensor([new[k] for new, _, _ in runs]), probs)
+        stat, dof = chi_square(torch.tensor([new[k] for new in news]), probs)
         quantile = {7: 24.32, 6: 22.46, 5: 20.52, 4: 18.47}[dof]
         assert stat < quantile, (k, stat, dof)
-    for _ in range(20):
-        new, cycles, _ = generate.speculative_sampling(t, the_target, prompt, 9, T, g, B, taps)
-        assert cycles == [B] * len(cycles)
+    # prompts of different lengths in one call, each to its own end: proposals from the target itself
+    news, cycles = generate.speculative_sampling(t, the_target, [prompt, prompt[:2], prompt[1:]] * 4, 9, T, g,
+                                                 B, taps)
+    assert all(c == [B] * len(c) for c in cycles) and all(len(new) == 9 for new in news)
+    assert all(len(c) == 2 for c in cycles)     # 1 + 4 + 4 tokens: the prefill's, then two whole blocks
 
 def test_divergence_is_reported(gen, monkeypatch):
     """A greedy decode that differs (here: forced, at new token 5) is named, with the target's top-2 gap there;
