@@ -324,15 +324,23 @@ class Packer:
 # -----------------------------------------------------------------------------
 # demo: the default dataset, made the DFlash way at toy scale
 
-def make_demo(out_dir, samples=384, val_samples=32, new_tokens=48, seed=0, force=False, log=print):
+# the demo target trained on Python source (quality.py --export-demo): a checkpoint dir with the
+# token ids of its prompts, cut from held-out files (prompts.npz: train, val, *_offsets)
+DEMO_CODE = os.path.join(os.path.dirname(os.path.realpath(__file__)), "demo")
+
+def make_demo(out_dir, samples=384, val_samples=32, new_tokens=48, seed=0, force=False, log=print,
+              target="tiny"):
     """Random prompts of 8-24 tokens, each continued greedily for new_tokens by the `tiny` target
     of target.py, loss mask on the continuation: the data is the very target's own output, as
     DFlash trains, so the acceptance proxy is real acceptance against that target. The weights
     come from Target.build, which seeds each tensor by its name, so they match train.py's tiny
-    target whatever the seed; `seed` picks the prompts. A directory that already holds this
-    exact demo is reused, not remade."""
-    want = dict(demo="tiny", samples=samples, val_samples=val_samples, new_tokens=new_tokens,
-                seed=seed)
+    target whatever the seed; `seed` picks the prompts. target=DEMO_CODE: the trained demo target
+    and its prompts of code instead, the training answers sampled at temperature 0.7 (as the
+    recipe regenerates), the held-out ones greedy, each cut after its end-of-text. A directory
+    that already holds this exact demo is reused, not remade."""
+    code = target != "tiny"
+    want = dict(demo="code" if code else "tiny", samples=samples, val_samples=val_samples,
+                new_tokens=new_tokens, seed=seed)
     try:
         if not force and all(open_dataset(os.path.join(out_dir, s)).meta.get("source") == want
                              for s in ("train", "val")):
@@ -342,11 +350,23 @@ def make_demo(out_dir, samples=384, val_samples=32, new_tokens=48, seed=0, force
         pass  # not there, or not this demo: make it (Writer refuses to overwrite without force)
     import torch
     from target import Target, TargetConfig
-    cfg = TargetConfig.preset("tiny")
-    target = Target.build(cfg).eval()
     rng, n, t0 = np.random.default_rng(seed), samples + val_samples, time.time()
-    prompts = [torch.from_numpy(rng.integers(1, cfg.vocab_size, rng.integers(8, 25)))
-               for _ in range(n)]
+    if code:
+        cfg = TargetConfig.from_hf(target)
+        model = Target.from_pretrained(target, dtype=torch.float32)
+        z = np.load(os.path.join(target, "prompts.npz"))
+        split = {s: np.split(z[s], z[s + "_offsets"][1:-1]) for s in ("train", "val")}
+        if len(split["train"]) < samples or len(split["val"]) < val_samples:
+            raise DataError(f"{target}/prompts.npz holds {len(split['train'])} + "
+                            f"{len(split['val'])} prompts; asked {samples} + {val_samples}")
+        prompts = [torch.from_numpy(p.astype(np.int64))
+                   for p in split["train"][:samples] + split["val"][:val_samples]]
+    else:
+        cfg = TargetConfig.preset("tiny")
+        model = Target.build(cfg)
+        prompts = [torch.from_numpy(rng.integers(1, cfg.vocab_size, rng.integers(8, 25)))
+                   for _ in range(n)]
+    target, gen = model.eval(), torch.Generator().manual_seed(seed)
     # all documents of a chunk decoded in lockstep with the target's caches (Target.greedy), on
     # the CPU in fp32 whatever device trains: the same demo everywhere, and no prefix rerun for
     # every token
@@ -358,10 +378,17 @@ def make_demo(out_dir, samples=384, val_samples=32, new_tokens=48, seed=0, force
         for s in ("train", "val"):
             writers.append(Writer(os.path.join(out_dir, s), cfg.vocab_size, force))
         for c in range(0, n, chunk):
-            seqs = target.greedy(prompts[c:c + chunk], new_tokens)
-            for j, d in enumerate(seqs, c):
-                d = d[:len(prompts[j]) + new_tokens]
-                writers[j >= samples].add(d.numpy(), np.arange(len(d)) >= len(prompts[j]))
+            part = list(range(c, min(c + chunk, n)))
+            # (train answers sampled at 0.7, held-out ones greedy; the tiny demo: all greedy)
+            groups = [([j for j in part if j < samples], 0.7),
+                      ([j for j in part if j >= samples], 0.0)] if code else [(part, 0.0)]
+            for js, temp in groups:
+                seqs = target.greedy([prompts[j] for j in js], new_tokens, temp, gen) if js else []
+                for j, d in zip(js, seqs):
+                    d = d[:len(prompts[j]) + new_tokens].numpy()
+                    end = np.flatnonzero(d[len(prompts[j]):] == 0) if code else []   # end-of-text
+                    d = d[:len(prompts[j]) + end[0] + 1] if len(end) else d
+                    writers[j >= samples].add(d, np.arange(len(d)) >= len(prompts[j]))
             log(f"demo: {min(c + chunk, n)}/{n} samples, {time.time() - t0:.1f}s")
         summary(out_dir, [w.commit(source=want) for w in writers], t0, log)
     except BaseException:

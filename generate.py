@@ -5,6 +5,7 @@ target: the real acceptance length tau, and a check that both decodes give the s
 
   # demo: tiny target, demo held-out prompts
   python generate.py --drafter out/drafter --max-new-tokens 48
+  python generate.py --target demo --drafter out/drafter       # the demo target trained on code
   python generate.py --target /ckpt/Qwen3.6-27B --drafter out/drafter --prompts gsm8k.jsonl \\
       --tokenizer /ckpt/Qwen3.6-27B --chat-template-kwargs '{"enable_thinking": false}' \\
       --max-new-tokens 512
@@ -36,7 +37,7 @@ import torch.nn.functional as F
 
 from target import Target, TargetConfig, positions_from_cu
 from model import Drafter, DrafterConfig, row_attention
-from data import ArgParser, Bad, DataError, kwargs_arg, load_line, number, open_dataset
+from data import DEMO_CODE, ArgParser, Bad, DataError, kwargs_arg, load_line, number, open_dataset
 from prepare import Chat
 
 # -----------------------------------------------------------------------------
@@ -359,6 +360,28 @@ def replay_dataset(target_path, drafter_path, data_dir, max_new, n=None, device=
     cycles, differ = replay(target, drafter, seqs, lens, max_new, eos)
     return dict(tau_summary(cycles, c.block_size), differ=differ)
 
+@torch.inference_mode()
+def show_block(target, drafter, prompt, path, log=print):
+    """The first drafted block of `prompt` as text, beside the target's own greedy tokens there
+    (tokenizer.json of checkpoint dir `path`, read by the tokenizers package)."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        return log("(pip install tokenizers to see a drafted block as text)")
+    tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+    B, taps = drafter.config.block_size, drafter.config.target_layer_ids
+    ctx, logits = _forward(target, prompt, taps, [len(prompt) - 1])
+    seq = torch.cat([prompt, logits.argmax(-1)])
+    a = len(seq) - 1
+    draft, _ = drafter.propose(ctx, torch.arange(a, device=seq.device), seq[a], a,
+                               target.embed_tokens.weight, target.lm_head.weight)
+    want = greedy(target, seq, B - 1)
+    acc = int((draft.cpu() == torch.tensor(want)).cumprod(0).sum())
+    log(f"prompt 0 ends {tok.decode(prompt[-24:].tolist())!r}, the target adds "
+        f"{tok.decode([int(seq[a])])!r}")
+    log(f"  drafted block: {tok.decode(draft.tolist())!r}")
+    log(f"  the target's:  {tok.decode(want)!r} ({acc} of {B - 1} accepted)")
+
 # -----------------------------------------------------------------------------
 # prompts
 
@@ -491,8 +514,9 @@ def main(argv=None):
         sys.exit("error: --prompts needs --tokenizer DIR (the checkpoint whose chat template "
                  "renders the prompts)")
     else:
+        code_demo = os.path.realpath(args.target) == DEMO_CODE
         data_dir = args.data or os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                             "data", "demo")
+                                             "data", "demo-code" if code_demo else "demo")
         try:               # a missing file, a broken dataset or tokenizer: one line naming it
             prompts = (chat_prompts(args.prompts, args.tokenizer, args.num_prompts,
                                     args.chat_template_kwargs) if args.prompts
@@ -542,7 +566,10 @@ def main(argv=None):
               f"decoded tokens differ from the forward's argmax | {time.time() - t0:.1f}s")
         print(hist_line(r["hist"]))
         return r
-    return evaluate(target, drafter, prompts, args.max_new_tokens, set(eos))
+    res = evaluate(target, drafter, prompts, args.max_new_tokens, set(eos))
+    if os.path.exists(os.path.join(args.target, "tokenizer.json")):
+        show_block(target, drafter, prompts[0], args.target)
+    return res
 
 if __name__ == "__main__":
     main()

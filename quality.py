@@ -225,6 +225,10 @@ def train_target(b, cfg, stream, dev_stream, device):
 # -----------------------------------------------------------------------------
 # answers: prompts cut from held-out files, continued by the target
 
+def newline_ids(tok):
+    # the byte-level BPE's tokens holding a newline ("\u010a" is its "\n")
+    return np.array([i for t, i in tok.get_vocab().items() if "\u010a" in t], np.int64)
+
 def cut_prompts(docs, n, rng, nl_ids, lo=32, hi=192):
     """n prompts of lo..hi tokens, each from a random document (token arrays) starting right after
     a newline token."""
@@ -309,7 +313,7 @@ def build(b, work, device):
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     target = Target.from_pretrained(os.path.join(tmp, "target"), device=device, dtype=dtype)
     t2, rng = time.time(), np.random.default_rng(b.seed)
-    nl = np.array([i for t, i in tok.get_vocab().items() if "\u010a" in t], np.int64)  # "\n"
+    nl = newline_ids(tok)
     prompts = {s: cut_prompts(enc[s], n, rng, nl) for s, n in
                (("draft", b.train_prompts), ("dev", b.eval_prompts), ("test", b.eval_prompts))}
     answers = continue_prompts(target, prompts["draft"], b.new_tokens, b.temperature, b.seed,
@@ -361,6 +365,27 @@ def zero_mask_row(tdir, mask_id):
         os.replace(out + ".tmp", out)
     return out
 
+def export_demo(b, work, tdir, info, out, n_train=512, n_val=64):
+    """The demo target (train.py --target demo): the checkpoint, its build record, and prompts of
+    16-48 tokens from the drafter's files (train) and the dev files (val) as token ids."""
+    import shutil
+    tok, enc = tokenized(b, work)
+    rng = np.random.default_rng(b.seed)
+    nl = newline_ids(tok)
+    os.makedirs(out, exist_ok=True)
+    for f in os.listdir(tdir):
+        shutil.copy(os.path.join(tdir, f), out)
+    with open(os.path.join(out, "build.json"), "w") as f:
+        json.dump(info, f, indent=1)
+    arrays = {}
+    for split, src, n in (("train", "draft", n_train), ("val", "dev", n_val)):
+        ps = cut_prompts(enc[src], n, rng, nl, lo=16, hi=48)
+        arrays[split] = np.concatenate(ps).astype(np.int16 if b.vocab <= 2**15 else np.int32)
+        arrays[split + "_offsets"] = np.cumsum([0] + [len(p) for p in ps])
+    np.savez(os.path.join(out, "prompts.npz"), **arrays)
+    log(f"exported the demo target to {out}: " + ", ".join(
+        f"{f} {os.path.getsize(os.path.join(out, f)) / 1e3:.0f} KB" for f in sorted(os.listdir(out))))
+
 def feature_stats(tdir, ddir, device, rows=8):
     """Scale of what the drafter reads: per tapped layer, the RMS over tokens and channels, the
     largest |value| and the share of the squared norm in the top 1% of channels."""
@@ -404,6 +429,9 @@ def main(argv=None):
     ap.add_argument("--curve", default=None, metavar="N,N,...",
                     help="learning curve: one train.py run per step count (--max-steps N), tau of each")
     ap.add_argument("--build-only", action="store_true", help="build the target and data, stop")
+    ap.add_argument("--export-demo", default=None, metavar="DIR",
+                    help="build, then write the target and prompts of code to DIR as train.py's "
+                    "demo target (the repo's demo/), stop")
     ap.add_argument("--mask-row", choices=("target", "zero"), default="target",
                     help="the mask token's embedding row as trained (never seen: its init, decayed) "
                     "or zero (a copy of the target with that row zeroed)")
@@ -426,6 +454,8 @@ def main(argv=None):
     if args.mask_row == "zero":
         tdir = zero_mask_row(tdir, b.vocab - 1)
     feature_stats(tdir, ddir, device)
+    if args.export_demo:
+        return export_demo(b, args.work, tdir, info, args.export_demo)
     if args.build_only:
         return
     import generate

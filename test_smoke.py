@@ -2988,6 +2988,12 @@ def test_quality_command_end_to_end(tmp_path, capsys):
                                   str(build / "data" / "test-greedy"), 24)
     assert res["tau"] == pytest.approx(tau, abs=5e-4) and sum(hist.values()) == res["cycles"]
     assert sum(k * n for k, n in hist.items()) / res["cycles"] == pytest.approx(res["tau"])
+    # generate.py on a checkpoint with its tokenizer.json: one drafted block as text beside the target's
+    generate.main(["--target", str(build / "target"), "--drafter", str(tmp_path / "run" / "drafter"), "--data",
+                   str(build / "data"), "--num-prompts", "2", "--max-new-tokens", "16"])
+    out_gen = capsys.readouterr().out
+    shown = re.search(r"  drafted block: '(.*)'\n  the target's:  '(.*)' \((\d+) of 15 accepted\)", out_gen, re.S)
+    assert shown and "prompt 0 ends '" in out_gen and shown.group(2), out_gen[-1500:]
     # --tau-temperature 1: speculative sampling from the same prompts, seeded by the build's seed
     sampled = float(re.search(r"tau test at T = 1.0 ([\d.]+) \+- ", out).group(1))
     res = generate.replay_dataset(str(build / "target"), str(tmp_path / "run" / "drafter"),

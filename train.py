@@ -50,8 +50,9 @@ group.add_argument("--generate-tokens", type=number(int, 1), default=64,
                    help="new tokens per --generate-prompts prompt")
 group = parser.add_argument_group("models")
 group.add_argument("--target", default="tiny",
-                   help="a Qwen3.5/3.6 HF checkpoint dir (dense or MoE), or a preset (random "
-                   "weights): tiny, qwen3.6-27b, qwen3.5-35b-a3b, qwen3.6-35b-a3b")
+                   help="a Qwen3.5/3.6 HF checkpoint dir (dense or MoE; demo: the small target "
+                   "trained on code), or a preset (random weights): tiny, qwen3.6-27b, "
+                   "qwen3.5-35b-a3b, qwen3.6-35b-a3b")
 group.add_argument("--drafter-layers", type=number(int, 1), default=None,
                    help="drafter decoder layers (default: the published drafter's, else 5)")
 group.add_argument("--n-feat", type=number(int, 1), default=None,
@@ -166,7 +167,7 @@ import torch.distributed as dist
 from target import FeatureGraphs, Target, TargetConfig, choose_split, upload
 from model import Drafter, DrafterConfig, drafter_loss, drafter_step, sample_anchors
 from model import flex_backward_kernels, flex_kernel_options
-from data import DataError, open_dataset, Packer, make_demo
+from data import DEMO_CODE, DataError, open_dataset, Packer, make_demo
 from safetensors import SafetensorError
 
 # -----------------------------------------------------------------------------
@@ -330,15 +331,18 @@ if not args.init_drafter:
     self_check.start(dcfg)
 
 # -----------------------------------------------------------------------------
-# data: the demo dataset is made on first use (the tiny target's greedy continuations)
+# data: the demo dataset is made on first use (the tiny target's greedy continuations; --target
+# demo, the demo target trained on code: its answers to prompts of code, in data/demo-code)
 
-data_dir = args.data or os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "demo")
+code_demo = os.path.realpath(args.target) == DEMO_CODE
+data_dir = args.data or os.path.join(os.path.dirname(os.path.abspath(__file__)), "data",
+                                     "demo-code" if code_demo else "demo")
 try:
     if args.data is None and not os.path.exists(os.path.join(data_dir, "train", "meta.json")):
         if local_rank == 0:
-            print(f"building the demo dataset in {data_dir} (tiny target's greedy continuations)",
+            print(f"building the demo dataset in {data_dir} ({args.target} target's answers)",
                   flush=True)
-            make_demo(data_dir)
+            make_demo(data_dir, target=DEMO_CODE if code_demo else "tiny")
         if world > 1:
             dist.barrier()
     train_ds = open_dataset(data_dir)
