@@ -329,18 +329,19 @@ class Packer:
 DEMO_CODE = os.path.join(os.path.dirname(os.path.realpath(__file__)), "demo")
 
 def make_demo(out_dir, samples=384, val_samples=32, new_tokens=48, seed=0, force=False, log=print,
-              target="tiny"):
+              target="tiny", temperature=0.0):
     """Random prompts of 8-24 tokens, each continued greedily for new_tokens by the `tiny` target
     of target.py, loss mask on the continuation: the data is the very target's own output, as
     DFlash trains, so the acceptance proxy is real acceptance against that target. The weights
     come from Target.build, which seeds each tensor by its name, so they match train.py's tiny
     target whatever the seed; `seed` picks the prompts. target=DEMO_CODE: the trained demo target
-    and its prompts of code instead, the training answers sampled at temperature 0.7 (as the
-    recipe regenerates), the held-out ones greedy, each cut after its end-of-text. A directory
+    and its prompts of code instead, its answers cut after their end-of-text; the training ones
+    greedy too, or sampled at `temperature` (the recipe regenerates at 0.7: this weak a target's
+    sampled answers train a worse greedy drafter, README). A directory
     that already holds this exact demo is reused, not remade."""
     code = target != "tiny"
     want = dict(demo="code" if code else "tiny", samples=samples, val_samples=val_samples,
-                new_tokens=new_tokens, seed=seed)
+                new_tokens=new_tokens, seed=seed, **({"temperature": temperature} if code else {}))
     try:
         if not force and all(open_dataset(os.path.join(out_dir, s)).meta.get("source") == want
                              for s in ("train", "val")):
@@ -379,8 +380,8 @@ def make_demo(out_dir, samples=384, val_samples=32, new_tokens=48, seed=0, force
             writers.append(Writer(os.path.join(out_dir, s), cfg.vocab_size, force))
         for c in range(0, n, chunk):
             part = list(range(c, min(c + chunk, n)))
-            # (train answers sampled at 0.7, held-out ones greedy; the tiny demo: all greedy)
-            groups = [([j for j in part if j < samples], 0.7),
+            # (the code demo's train answers at `temperature`, held-out ones greedy; tiny: greedy)
+            groups = [([j for j in part if j < samples], temperature),
                       ([j for j in part if j >= samples], 0.0)] if code else [(part, 0.0)]
             for js, temp in groups:
                 seqs = target.greedy([prompts[j] for j in js], new_tokens, temp, gen) if js else []
