@@ -326,22 +326,34 @@ class Packer:
 
 # the demo target trained on Python source (quality.py --export-demo): a checkpoint dir with the
 # token ids of its prompts, cut from held-out files (prompts.npz: train, val, *_offsets)
-DEMO_CODE = os.path.join(os.path.dirname(os.path.realpath(__file__)), "demo")
+HERE = os.path.dirname(os.path.realpath(__file__))
+DEMO_CODE = os.path.join(HERE, "demo")
+
+def demo_of(target):
+    """--target's demo: (the dataset dir train.py and generate.py default to, make_demo's target):
+    data/demo-code and DEMO_CODE for the committed demo/ (by any path), else data/demo and tiny."""
+    code = os.path.realpath(target) == DEMO_CODE
+    data_dir = os.path.join(HERE, "data", "demo-code" if code else "demo")
+    return data_dir, DEMO_CODE if code else "tiny"
+
+def cut_at_eos(ans, eos=0):
+    # an answer up to its first end-of-text (quality.py's <|endoftext|> is id 0), that included
+    hit = np.flatnonzero(ans == eos)
+    return ans[:hit[0] + 1] if len(hit) else ans
 
 def make_demo(out_dir, samples=384, val_samples=32, new_tokens=48, seed=0, force=False, log=print,
-              target="tiny", temperature=0.0):
+              target="tiny"):
     """Random prompts of 8-24 tokens, each continued greedily for new_tokens by the `tiny` target
     of target.py, loss mask on the continuation: the data is the very target's own output, as
     DFlash trains, so the acceptance proxy is real acceptance against that target. The weights
     come from Target.build, which seeds each tensor by its name, so they match train.py's tiny
     target whatever the seed; `seed` picks the prompts. target=DEMO_CODE: the trained demo target
-    and its prompts of code instead, its answers cut after their end-of-text; the training ones
-    greedy too, or sampled at `temperature` (the recipe regenerates at 0.7: this weak a target's
-    sampled answers train a worse greedy drafter, README). A directory
-    that already holds this exact demo is reused, not remade."""
+    and its prompts of code instead, its greedy answers cut after their end-of-text (greedy for
+    training too: this weak a target's answers sampled at the recipe's 0.7 train a worse greedy
+    drafter, README). A directory that already holds this exact demo is reused, not remade."""
     code = target != "tiny"
     want = dict(demo="code" if code else "tiny", samples=samples, val_samples=val_samples,
-                new_tokens=new_tokens, seed=seed, **({"temperature": temperature} if code else {}))
+                new_tokens=new_tokens, seed=seed)
     try:
         if not force and all(open_dataset(os.path.join(out_dir, s)).meta.get("source") == want
                              for s in ("train", "val")):
@@ -367,7 +379,7 @@ def make_demo(out_dir, samples=384, val_samples=32, new_tokens=48, seed=0, force
         model = Target.build(cfg)
         prompts = [torch.from_numpy(rng.integers(1, cfg.vocab_size, rng.integers(8, 25)))
                    for _ in range(n)]
-    target, gen = model.eval(), torch.Generator().manual_seed(seed)
+    target = model.eval()
     # all documents of a chunk decoded in lockstep with the target's caches (Target.greedy), on
     # the CPU in fp32 whatever device trains: the same demo everywhere, and no prefix rerun for
     # every token
@@ -379,17 +391,13 @@ def make_demo(out_dir, samples=384, val_samples=32, new_tokens=48, seed=0, force
         for s in ("train", "val"):
             writers.append(Writer(os.path.join(out_dir, s), cfg.vocab_size, force))
         for c in range(0, n, chunk):
-            part = list(range(c, min(c + chunk, n)))
-            # (the code demo's train answers at `temperature`, held-out ones greedy; tiny: greedy)
-            groups = [([j for j in part if j < samples], temperature),
-                      ([j for j in part if j >= samples], 0.0)] if code else [(part, 0.0)]
-            for js, temp in groups:
-                seqs = target.greedy([prompts[j] for j in js], new_tokens, temp, gen) if js else []
-                for j, d in zip(js, seqs):
-                    d = d[:len(prompts[j]) + new_tokens].numpy()
-                    end = np.flatnonzero(d[len(prompts[j]):] == 0) if code else []   # end-of-text
-                    d = d[:len(prompts[j]) + end[0] + 1] if len(end) else d
-                    writers[j >= samples].add(d, np.arange(len(d)) >= len(prompts[j]))
+            seqs = target.greedy(prompts[c:c + chunk], new_tokens)
+            for j, d in enumerate(seqs, c):
+                P = len(prompts[j])
+                d = d[:P + new_tokens].numpy()
+                if code:
+                    d = np.concatenate([d[:P], cut_at_eos(d[P:])])
+                writers[j >= samples].add(d, np.arange(len(d)) >= P)
             log(f"demo: {min(c + chunk, n)}/{n} samples, {time.time() - t0:.1f}s")
         summary(out_dir, [w.commit(source=want) for w in writers], t0, log)
     except BaseException:

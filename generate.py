@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from target import Target, TargetConfig, positions_from_cu
 from model import Drafter, DrafterConfig, row_attention
-from data import DEMO_CODE, ArgParser, Bad, DataError, kwargs_arg, load_line, number, open_dataset
+from data import ArgParser, Bad, DataError, demo_of, kwargs_arg, load_line, number, open_dataset
 from prepare import Chat
 
 # -----------------------------------------------------------------------------
@@ -125,7 +125,7 @@ def speculative_sampling(target, draft, prompts, max_new, temperature, generator
     while live:
         # the drafter: each live sequence a document, the anchor's feature row a placeholder
         ids, cu, doc, pos = _packed([seqs[j] for j in live])
-        f = torch.cat([torch.cat([ctx[j], ctx[j][:1] * 0]) for j in live])
+        f = torch.cat([torch.cat([ctx[j], ctx[j].new_zeros(1, ctx[j].shape[1])]) for j in live])
         a = (cu[1:] - 1).to(dev)                                   # anchors, in the packed row
         x, q = draft(f, ids, doc, pos, a)                          # [m, B-1], [m, B-1, V]
         ids, cu, _, _ = _packed([torch.cat([seqs[j], x[i]]) for i, j in enumerate(live)])
@@ -267,16 +267,13 @@ def replay(target, drafter, seqs, prompt_lens, max_new, eos=(), batch=64):
     eos_t = torch.tensor(sorted(eos) or [-1], device=dev)
     for s in range(0, len(seqs), batch):
         chunk, P = seqs[s:s + batch], torch.tensor(prompt_lens[s:s + batch])
-        lens = torch.tensor([len(x) for x in chunk])
+        row, cu, doc, pos = _packed([x.to(dev) for x in chunk])
+        lens = cu.diff()
         short = (lens < P + max_new + B - 1).nonzero()
         assert not len(short), (f"replay: sequence {s + int(short[0])} has {int(lens[short[0]])} "
                                 f"tokens, needs prompt + {max_new + B - 1}")
-        cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
-        row = torch.cat(chunk).to(dev)
         feats, logits = target.features_and_logits(row, cu, taps)
         post = logits.argmax(-1)                 # [S]: the target's next token after each position
-        doc = torch.repeat_interleave(torch.arange(len(chunk)), lens).to(dev)
-        pos = positions_from_cu(cu).to(dev)
         new = (pos >= P.to(dev)[doc]) & (pos > 0)
         differ += int(((row[1:] != post[:-1]) & new[1:]).sum())
         a = (cu[:-1] + P).to(dev)                # each prompt's anchor: the prefill's token
@@ -320,6 +317,23 @@ def tau_summary(cycles, block_size):
     return dict(tau=tau, tau_ci=ci, tau_mean=mean, tau_mean_ci=ci_mean, prompts=n,
                 cycles=sum(x), hist=hist)
 
+def tau_text(r):
+    # tau_summary's dict as the commands print it, after "tau "
+    return (f"{r['tau']:.3f} +- {r['tau_ci']:.3f} (accepted+1 per cycle over {r['cycles']} "
+            f"cycles; 95% CI over {r['prompts']} prompts) | mean of per-prompt tau "
+            f"{r['tau_mean']:.3f} +- {r['tau_mean_ci']:.3f}")
+
+@torch.inference_mode()
+def sampled_tau(target, drafter, prompts, max_new, temperature, seed, eos=()):
+    """tau_summary of speculative sampling at `temperature` on `prompts` (on the target's
+    device), the drafter's proposals from drafter_sampler, seeded."""
+    c, g = drafter.config, torch.Generator(prompts[0].device).manual_seed(seed)
+    draft = drafter_sampler(drafter, target.embed_tokens.weight, target.lm_head.weight,
+                            temperature, g)
+    cycles = speculative_sampling(target, draft, prompts, max_new, temperature, g, c.block_size,
+                                  c.target_layer_ids, eos)[1]
+    return tau_summary(cycles, c.block_size)
+
 def load_target(path, device, dtype):
     """A checkpoint dir, or a preset's random weights."""
     if os.path.isdir(path):
@@ -347,18 +361,12 @@ def replay_dataset(target_path, drafter_path, data_dir, max_new, n=None, device=
         tokens, mask = ds.sample(i)
         seqs.append(torch.from_numpy(tokens.astype("int64")))
         lens.append(int(mask.argmax()))
-    c, eos = drafter.config, set(hf_eos(target_path))
+    eos = set(hf_eos(target_path))
     if temperature:
-        g = torch.Generator(device).manual_seed(seed)
-        draft = drafter_sampler(drafter, target.embed_tokens.weight, target.lm_head.weight,
-                                temperature, g)
-        with torch.inference_mode():
-            cycles = speculative_sampling(target, draft, [s[:p].to(device) for s, p in
-                                                          zip(seqs, lens)], max_new, temperature,
-                                          g, c.block_size, c.target_layer_ids, eos)[1]
-        return dict(tau_summary(cycles, c.block_size), differ=0)
+        return dict(sampled_tau(target, drafter, [s[:p].to(device) for s, p in zip(seqs, lens)],
+                                max_new, temperature, seed, eos), differ=0)
     cycles, differ = replay(target, drafter, seqs, lens, max_new, eos)
-    return dict(tau_summary(cycles, c.block_size), differ=differ)
+    return dict(tau_summary(cycles, drafter.config.block_size), differ=differ)
 
 @torch.inference_mode()
 def show_block(target, drafter, prompt, path, log=print):
@@ -514,9 +522,7 @@ def main(argv=None):
         sys.exit("error: --prompts needs --tokenizer DIR (the checkpoint whose chat template "
                  "renders the prompts)")
     else:
-        code_demo = os.path.realpath(args.target) == DEMO_CODE
-        data_dir = args.data or os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                             "data", "demo-code" if code_demo else "demo")
+        data_dir = args.data or demo_of(args.target)[0]
         try:               # a missing file, a broken dataset or tokenizer: one line naming it
             prompts = (chat_prompts(args.prompts, args.tokenizer, args.num_prompts,
                                     args.chat_template_kwargs) if args.prompts
@@ -540,17 +546,9 @@ def main(argv=None):
           f"{len(prompts)} prompts, {args.max_new_tokens} new tokens each, eos {eos or 'none'}")
     prompts = [p.to(device) for p in prompts]
     if args.temperature:
-        g = torch.Generator(device).manual_seed(args.seed)
-        embed, head = target.embed_tokens.weight, target.lm_head.weight
-        draft = drafter_sampler(drafter, embed, head, args.temperature, g)
-        with torch.inference_mode():
-            cycles = speculative_sampling(target, draft, prompts, args.max_new_tokens,
-                                          args.temperature, g, c.block_size, c.target_layer_ids,
-                                          set(eos))[1]
-        r = tau_summary(cycles, c.block_size)
-        print(f"sampling at T = {args.temperature}: tau {r['tau']:.3f} +- {r['tau_ci']:.3f} (mean "
-              f"accepted+1 over {r['cycles']} cycles of block {c.block_size}; 95% CI over "
-              f"{r['prompts']} prompts)")
+        r = sampled_tau(target, drafter, prompts, args.max_new_tokens, args.temperature,
+                        args.seed, set(eos))
+        print(f"sampling at T = {args.temperature}: tau {tau_text(r)}")
         print(hist_line(r["hist"]))
         return r
     if args.replay:
@@ -560,10 +558,8 @@ def main(argv=None):
         cycles, differ = replay(target, drafter, seqs, [len(p) for p in prompts],
                                 args.max_new_tokens, set(eos))
         r = tau_summary(cycles, c.block_size)
-        print(f"replay: tau {r['tau']:.3f} +- {r['tau_ci']:.3f} (mean accepted+1 over "
-              f"{r['cycles']} cycles of block {c.block_size}; 95% CI over {r['prompts']} prompts) | "
-              f"mean of per-prompt tau {r['tau_mean']:.3f} +- {r['tau_mean_ci']:.3f} | {differ} "
-              f"decoded tokens differ from the forward's argmax | {time.time() - t0:.1f}s")
+        print(f"replay: tau {tau_text(r)} | {differ} decoded tokens differ from the forward's "
+              f"argmax | {time.time() - t0:.1f}s")
         print(hist_line(r["hist"]))
         return r
     res = evaluate(target, drafter, prompts, args.max_new_tokens, set(eos))

@@ -482,21 +482,21 @@ class Drafter(nn.Module):
         supervised = keep[:, None] & (k > 0) & inside & (loss_mask[idx] > 0) & same_doc
         w = supervised.float() * decay                     # [N, B]
         labels = tokens[idx]
-        if dpace is None:
-            args = (h, head, labels.view(-1), w.view(-1), ce_chunk)
-            norm = w.sum().clamp(min=1e-6)
-        else:
+        weights, chunk = w, ce_chunk
+        norm = w.sum().clamp(min=1e-6)
+        if dpace is not None:
             # D-PACE: no decay; the sum over the row's samples (documents with an anchor), as
-            # SpecForge divides by its batch of samples
-            args = (h, head, labels.view(-1), supervised.float().view(-1),
-                    max(B, ce_chunk // B * B), B, dpace)
+            # SpecForge divides by its batch of samples; chunks of whole blocks
+            weights, chunk = supervised.float(), max(B, ce_chunk // B * B)
             d = doc[anchors]
             norm = (keep & torch.cat([keep[:1], d[1:] != d[:-1]])).sum().clamp(min=1)
+        rows, W = None, 0.0
         if teacher is not None:
             # slot k predicts the token at anchor+k: the target's distribution after anchor+k-1
             at = (anchors[:, None] + k - 1).clamp(0, S - 1).view(-1)
-            args = (*args, None, None)[:7] + (kd[1](teacher[at]), kd[0])
-        wce, pred = _WeightedCE.apply(*args)
+            rows, W = kd[1](teacher[at]), kd[0]
+        wce, pred = _WeightedCE.apply(h, head, labels.view(-1), weights.view(-1), chunk, B, dpace,
+                                      rows, W)
         correct = (pred.view(N, B) == labels) & supervised
         accepted = 1 + correct[:, 1:].long().cumprod(1).sum(1)  # anchor + leading correct slots
         return dict(loss=wce / norm, accept_sum=(accepted * keep).sum(),

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from data import ArgParser, DataError, number, open_dataset, package, write_dataset
+from data import ArgParser, DataError, cut_at_eos, number, open_dataset, package, write_dataset
 
 EOT, MASK = "<|endoftext|>", "<|mask|>"   # ids 0 and vocab-1 (train.py's default mask id)
 SKIP = {"test", "tests", "testing", "__pycache__", "site-packages", "dist-packages", "idlelib",
@@ -250,10 +250,6 @@ def continue_prompts(target, prompts, new, temperature, seed, device, chunk=4096
         seqs = target.greedy(ps, new, temperature=temperature, generator=g).cpu().numpy()
         out += [s[len(p):len(p) + new] for s, p in zip(seqs, ps)]
     return out
-
-def cut_at_eos(ans, eos=0):
-    hit = np.flatnonzero(ans == eos)
-    return ans[:hit[0] + 1] if len(hit) else ans
 
 def sample_of(prompt, answer):
     # (ids, loss mask) of one sample: the prompt unsupervised, the answer supervised
@@ -486,10 +482,8 @@ def main(argv=None):
                                       os.path.join(ddir, f"{args.split}-greedy"), b.new_tokens,
                                       args.prompts, device)
         t_tau = time.time() - t2
-        log(f"tau {args.split} {res['tau']:.3f} +- {res['tau_ci']:.3f} (accepted+1 per cycle over "
-            f"{res['cycles']} cycles; 95% CI over {res['prompts']} prompts) | mean of per-prompt "
-            f"tau {res['tau_mean']:.3f} +- {res['tau_mean_ci']:.3f} | proxy accept "
-            f"{ev['accept']:.3f} (dev rows) | eval loss {ev['loss']:.3f} | step {ev['step']}")
+        log(f"tau {args.split} {generate.tau_text(res)} | proxy accept {ev['accept']:.3f} (dev "
+            f"rows) | eval loss {ev['loss']:.3f} | step {ev['step']}")
         log("slot acc " + " ".join(f"{a:.2f}" for a in ev["slot_acc"]))
         log(generate.hist_line(res["hist"]))
         if args.tau_temperature:
@@ -497,10 +491,8 @@ def main(argv=None):
             res = generate.replay_dataset(tdir, os.path.join(out, "drafter"),
                                           os.path.join(ddir, f"{args.split}-greedy"), b.new_tokens,
                                           args.prompts, device, args.tau_temperature, b.seed)
-            log(f"tau {args.split} at T = {args.tau_temperature} {res['tau']:.3f} +- "
-                f"{res['tau_ci']:.3f} (speculative sampling, {res['cycles']} cycles, "
-                f"{res['prompts']} prompts) | mean of per-prompt tau {res['tau_mean']:.3f} +- "
-                f"{res['tau_mean_ci']:.3f} | {time.time() - t3:.1f}s")
+            log(f"tau {args.split} at T = {args.tau_temperature} {generate.tau_text(res)} "
+                f"(speculative sampling) | {time.time() - t3:.1f}s")
             log(generate.hist_line(res["hist"]))
         log(f"times: build {info['seconds']['total']:.0f}s (cached after the first) | train "
             f"{t_train:.0f}s | tau {t_tau:.1f}s | total {time.time() - t0:.0f}s")

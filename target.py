@@ -777,7 +777,8 @@ class Target(nn.Module):
     last tapped one on a target rank; none on a drafter rank, which borrows embed_tokens and
     lm_head; K.. on the drafter rank of a pair split at layer K, which starts from the hidden state
     it receives and so has no embed_tokens) and the final norm and lm_head when head=True (target
-    ranks never need them). Names stay the checkpoint's: the layers below `first` are empty slots of self.layers."""
+    ranks never need them). Names stay the checkpoint's: the layers below `first` are empty slots
+    of self.layers."""
     def __init__(self, config, n_layers=None, head=True, first=0):
         super().__init__()
         c = self.config = config

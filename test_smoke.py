@@ -860,16 +860,16 @@ def propose_args(t, r, a):
 
 
 class Spy:
-    """Wraps _WeightedCE.apply to record the forward's own (h, head, labels, w, chunk)."""
+    """Wraps _WeightedCE.apply to record the forward's own (h, head, labels, w, chunk, ...)."""
     def __init__(self, monkeypatch, replace=None):
         self.calls, self.orig, self.replace = [], model._WeightedCE.apply, replace
         monkeypatch.setattr(model._WeightedCE, "apply", self)
 
-    def __call__(self, h, head, labels, w, chunk):
+    def __call__(self, h, head, labels, w, chunk, *rest):
         self.calls.append((h.detach().clone(), labels.clone(), w.clone()))
         if self.replace is not None:
-            return self.replace(h, head, labels, w, chunk)
-        return self.orig(h, head, labels, w, chunk)
+            return self.replace(h, head, labels, w, chunk, *rest)
+        return self.orig(h, head, labels, w, chunk, *rest)
 
 
 @pytest.fixture(scope="module")
@@ -1132,7 +1132,7 @@ def test_acceptance_proxy_by_hand(hand, monkeypatch):
            [1, 1, 1, 1]]    # padded: not counted
     V = t.config.vocab_size
 
-    def fake(h, head, labels, w, chunk):
+    def fake(h, head, labels, w, chunk, *rest):
         ok = torch.tensor([[1] + row for row in raw]).view(-1).bool()
         pred = torch.where(ok, labels, (labels + 1) % V)
         return (h.sum() * 0.0).float(), pred

@@ -167,7 +167,7 @@ import torch.distributed as dist
 from target import FeatureGraphs, Target, TargetConfig, choose_split, upload
 from model import Drafter, DrafterConfig, drafter_loss, drafter_step, sample_anchors
 from model import flex_backward_kernels, flex_kernel_options
-from data import DEMO_CODE, DataError, open_dataset, Packer, make_demo
+from data import DataError, demo_of, open_dataset, Packer, make_demo
 from safetensors import SafetensorError
 
 # -----------------------------------------------------------------------------
@@ -334,15 +334,14 @@ if not args.init_drafter:
 # data: the demo dataset is made on first use (the tiny target's greedy continuations; --target
 # demo, the demo target trained on code: its answers to prompts of code, in data/demo-code)
 
-code_demo = os.path.realpath(args.target) == DEMO_CODE
-data_dir = args.data or os.path.join(os.path.dirname(os.path.abspath(__file__)), "data",
-                                     "demo-code" if code_demo else "demo")
+demo_dir, demo_target = demo_of(args.target)
+data_dir = args.data or demo_dir
 try:
     if args.data is None and not os.path.exists(os.path.join(data_dir, "train", "meta.json")):
         if local_rank == 0:
             print(f"building the demo dataset in {data_dir} ({args.target} target's answers)",
                   flush=True)
-            make_demo(data_dir, target=DEMO_CODE if code_demo else "tiny")
+            make_demo(data_dir, target=demo_target)
         if world > 1:
             dist.barrier()
     train_ds = open_dataset(data_dir)
