@@ -397,7 +397,7 @@ elif args.what in ("drafter", "sweep"):
                           for e in prof.key_averages() if "flex_attention" in e.key)
         torch.cuda.reset_peak_memory_stats()
         ms = bench_ms(step)
-        fl = d.flops(S, N, visible(dcfg, pos, *sample_anchors(lm, doc, S, N)[:2]))
+        fl = d.flops(S, N, visible(dcfg, pos, *sample_anchors(lm, doc, S, N)[:2]), args.kd > 0)
         seen = ", ".join(k for k in kernels if "_tem_" in k)
         return (compile_s, ms, fl, torch.cuda.max_memory_allocated() / 2**30,
                 seen if fused else f"NOT SEEN ({seen})", split)
@@ -480,7 +480,7 @@ elif args.what == "pair":
         # at the compiled shape: every anchor slot of the row goes through the matmuls
         N = rec["row_anchors"]
         anchors, keep = sample_anchors(torch.ones(S, device=dev), doc, S, N)[:2]
-        return dmeta.flops(S, N, visible(dcfg, pos, anchors, keep))
+        return dmeta.flops(S, N, visible(dcfg, pos, anchors, keep), args.kd > 0)
     print(f"\n{torch.cuda.get_device_name()} | torch {torch.__version__} | "
           f"matmul peak {peak / 1e12:.0f} TFLOP/s | --anchors {args.anchors} "
           f"--row-anchors {args.row_anchors} --budget {S} | {args.mix} documents | "

@@ -162,8 +162,9 @@ def dpace_weights(q, valid, alpha):
 
 class _WeightedCE(torch.autograd.Function):
     """sum_i w_i * CE(h_i @ W^T, y_i) over the frozen LM head, in chunks of rows so the [N*B, vocab]
-    logits never exist at once. The gradient wrt h is computed in the forward (W is frozen, so it is
-    the only gradient), which saves re-running the 2*Q*V*H-FLOP logits GEMM in the backward.
+    logits never exist at once, compiled too (test_compiled_step_holds_one_chunk_of_logits). The
+    gradient wrt h is computed in the forward (W is frozen, so it is the only gradient), which saves
+    re-running the 2*Q*V*H-FLOP logits GEMM in the backward.
     dpace=alpha: w is the 0/1 supervision and each block's weights are dpace_weights of the slots'
     own probabilities (chunks of whole blocks of B rows), constants for the gradient.
     teacher [rows, H]: the target's normed final hidden state where each row's token is predicted,
@@ -172,14 +173,22 @@ class _WeightedCE(torch.autograd.Function):
     def forward(ctx, h, weight, labels, w, chunk, B=None, dpace=None, teacher=None, kd=0.0):
         loss, pred, grads = h.new_zeros((), dtype=torch.float32), [], []
         for s in range(0, h.shape[0], chunk):
-            logits = (h[s:s + chunk] @ weight.t()).float()
+            x, t = h[s:s + chunk], None if teacher is None else teacher[s:s + chunk]
+            if s:
+                # one chunk after another: without a data dependency on the last chunk's result
+                # torch.compile fuses the chunks' kernels into one, which holds every chunk's logits
+                # at once. g - g is 0 (NaN only if the step already is); the compiler folds g * 0.
+                g = (grads[-1] if grads else loss.view(1, 1))[:1, :1]
+                x = x + (g - g).to(x.dtype)
+                t = None if t is None else t + (g - g).to(t.dtype)
+            logits = (x @ weight.t()).float()
             lse = logits.logsumexp(-1)
             y = labels[s:s + chunk, None]
             w_chunk = w[s:s + chunk]
             ce = lse - logits.gather(1, y)[:, 0]
             term = ce
             if teacher is not None:
-                log_pt = (teacher[s:s + chunk] @ weight.t()).float().log_softmax(-1)
+                log_pt = (t @ weight.t()).float().log_softmax(-1)
                 pt = log_pt.exp()
                 kl = (pt * (log_pt - logits + lse[:, None])).sum(-1)
                 term = (1 - kd) * ce + kd * kl
@@ -523,10 +532,10 @@ class Drafter(nn.Module):
         logits = (h[1:] @ head.t()).float()
         return logits.argmax(-1), logits
 
-    def flops(self, S, N, visible=None):
+    def flops(self, S, N, visible=None, kd=False):
         """Matmul FLOPs of one training step (fwd + bwd) at S context tokens and N anchors.
         visible: {layer kind: the (query, key) pairs its mask lets through}, for the attention FLOPs
-        (data dependent; None leaves them out)."""
+        (data dependent; None leaves them out). kd: with the teacher's logits (--kd)."""
         c, Q = self.config, N * self.config.block_size
         q_o_mlp = c.hidden_size * (2 * c.num_attention_heads * c.head_dim + 3 * c.intermediate_size)
         kv = 2 * c.hidden_size * c.num_key_value_heads * c.head_dim
@@ -536,8 +545,8 @@ class Drafter(nn.Module):
         # fc's input needs no gradient: fwd + dW only
         fc = 2 * S * self.fc.in_features * c.hidden_size
         head = 2 * Q * c.vocab_size * c.hidden_size
-        # trainable GEMMs: fwd + 2x bwd; frozen head: logits + dh
-        return 3 * (fwd + attn) + 2 * fc + 2 * head
+        # trainable GEMMs: fwd + 2x bwd; frozen head: logits + dh (kd: + the teacher's logits)
+        return 3 * (fwd + attn) + 2 * fc + (3 if kd else 2) * head
 
     # -------------------------------------------------------------------------
     # 6) export in the z-lab format

@@ -1195,15 +1195,52 @@ def test_weighted_ce_matches_autograd(chunk):
     assert torch.equal(pred, logits.argmax(-1)) and not pred.requires_grad
 
 
-def test_drafter_flops_count_every_matmul(drafter_rows):
+@pytest.mark.parametrize("kd", [False, True])
+def test_drafter_flops_count_every_matmul(drafter_rows, kd):
     # Drafter.flops, bench.py's MFU numerator, == the GEMM FLOPs torch's FlopCounterMode sees in a
-    # real step (fwd + bwd). CPU SDPA is not among the counted ops: flops' visible (default None)
-    # leaves attention out.
+    # real step (fwd + bwd; kd: with the teacher's logits). CPU SDPA is not among the counted ops:
+    # flops' visible (default None) leaves attention out.
     t, d, rows = drafter_rows
     d, r = copy.deepcopy(d), rows[1]
+    teacher = torch.randn(r["S"], t.config.hidden_size) if kd else None
     with FlopCounterMode(display=False) as fc:
-        forward(d, t, r)["loss"].backward()
-    assert fc.get_flop_counts()["Global"][torch.ops.aten.mm] == d.flops(r["S"], len(r["anchors"]))
+        forward(d, t, r, teacher=teacher, kd=(0.5, t.norm) if kd else None)["loss"].backward()
+    assert fc.get_flop_counts()["Global"][torch.ops.aten.mm] == d.flops(r["S"], len(r["anchors"]), kd=kd)
+
+
+def test_compiled_step_holds_one_chunk_of_logits():
+    """train.py's compiled drafter_loss (inductor, here on the CPU) peaks where the eager step does, --kd's
+    teacher included: _WeightedCE's chunks run one after another. Without its chunk-to-chunk dependency
+    the compiler fuses them and holds every chunk's logits at once (here +4.5 GiB over eager)."""
+    def rss_peak():                                   # GiB; VmHWM, reset by clear_refs 5
+        with open("/proc/self/status") as f:
+            return int(next(line for line in f if line.startswith("VmHWM")).split()[1]) / 2**20
+    torch.manual_seed(0)
+    V, S, N = 131072, 1024, 256                       # 4 chunks of 1024 rows x V logits
+    tcfg = dataclasses.replace(TargetConfig.preset("tiny"), vocab_size=V)
+    t = Target.build(tcfg, device="cpu", dtype=torch.float32, n_layers=0)
+    d = Drafter(DrafterConfig.from_target(tcfg, num_hidden_layers=1))
+    feats = torch.randn(S, (len(d.config.target_layer_ids) + 1) * tcfg.hidden_size)   # + the teacher
+    row = dict(tokens=torch.randint(0, V, (S,)), loss_mask=torch.ones(S, dtype=torch.long),
+               doc=torch.zeros(S, dtype=torch.long), pos=torch.arange(S))
+    peaks, losses = {}, {}
+    for name, fn in (("eager", model.drafter_loss),
+                     ("compiled", torch.compile(model.drafter_loss, fullgraph=True, dynamic=False))):
+        def step():
+            torch.manual_seed(1)                      # the same anchors
+            out, _ = model.drafter_step(d, feats, row, N, N, t.embed_tokens.weight, t.lm_head.weight, loss=fn,
+                                  kd=(0.5, t.norm))
+            out["loss"].backward()
+            return out["loss"].item()
+        step()                                        # compiles
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        before = rss_peak()
+        losses[name] = step()
+        peaks[name] = rss_peak() - before
+    chunk = 1024 * V * 4 / 2**30                      # one chunk's fp32 logits, GiB
+    assert abs(losses["compiled"] - losses["eager"]) <= 1e-5 * losses["eager"]
+    assert peaks["compiled"] <= peaks["eager"] + 2 * chunk, (peaks, chunk)
 
 
 # -----------------------------------------------------------------------------
