@@ -14,13 +14,16 @@ cycle, replayed exactly on held-out prompts (generate.py's replay), mean +- 95% 
 Files are split by a hash of their path: 80% train the target, 10% give the drafter's training
 prompts, 5% dev, 5% test. A prompt is 32-192 tokens of a held-out file from a line start; the
 drafter trains on the target's answers sampled at temperature 0.7 (SpecForge's regenerate default),
-tau is measured on greedy continuations. Everything is cached under --work by its settings.
+tau is measured on greedy continuations. Everything is cached under --work by its settings; a build
+that changes only the data (prompts, answer length or temperature) reuses an earlier build's target.
 """
 import argparse
+import glob
 import hashlib
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -55,6 +58,10 @@ class Build:
 
     def key(self):
         return hashlib.sha1(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:10]
+
+# what the target alone depends on: a build differing in its data only reuses an earlier target
+TARGET_FIELDS = ("vocab", "hidden", "layers", "intermediate", "seq", "batch", "steps", "lr",
+                 "max_files", "seed")
 
 def log(*a):
     print(*a, flush=True)
@@ -299,12 +306,21 @@ def build(b, work, device):
     tok, enc = tokenized(b, work)
     secs["corpus+tokenizer"] = time.time() - t0
     stream = np.concatenate(enc["train"])
-    cfg = hf_config(b)
-    t1 = time.time()
-    model, train_loss, dev_loss = train_target(b, cfg, stream, np.concatenate(enc["dev"]), device)
+    t1, tmp = time.time(), root + f".tmp-{os.getpid()}"
+    for path in sorted(glob.glob(os.path.join(work, "build-*", "build.json"))):
+        with open(path) as f:
+            old = json.load(f)
+        if all(old["settings"].get(k) == getattr(b, k) for k in TARGET_FIELDS):
+            log(f"reusing the target of {os.path.dirname(path)}")
+            shutil.copytree(os.path.join(os.path.dirname(path), "target"),
+                            os.path.join(tmp, "target"))
+            train_loss, dev_loss = old["train_loss"], old["dev_loss"]
+            break
+    else:
+        model, train_loss, dev_loss = train_target(b, hf_config(b), stream,
+                                                   np.concatenate(enc["dev"]), device)
+        save_hf(model, hf_config(b), tok, os.path.join(tmp, "target"))
     secs["target"] = time.time() - t1
-    tmp = root + f".tmp-{os.getpid()}"
-    save_hf(model, cfg, tok, os.path.join(tmp, "target"))
     # from here on the target as every user of the checkpoint sees it: bf16 (fp32 on CPU), fla
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     target = Target.from_pretrained(os.path.join(tmp, "target"), device=device, dtype=dtype)
@@ -333,8 +349,8 @@ def build(b, work, device):
     secs["total"] = time.time() - t0
     info = dict(settings=asdict(b), train_loss=train_loss, dev_loss=dev_loss,
                 distinct4_greedy=d4, distinct4_corpus=corpus_d4, seconds=secs,
-                mask_row_norm=float(model.embed_tokens.weight[b.vocab - 1].float().norm()),
-                mean_row_norm=float(model.embed_tokens.weight[:-1].float().norm(dim=1).mean()),
+                mask_row_norm=float(target.embed_tokens.weight[b.vocab - 1].float().norm()),
+                mean_row_norm=float(target.embed_tokens.weight[:-1].float().norm(dim=1).mean()),
                 train_tokens=int(len(stream)), device=str(device))
     with open(os.path.join(tmp, "build.json"), "w") as f:
         json.dump(info, f, indent=1)
@@ -348,7 +364,6 @@ def zero_mask_row(tdir, mask_id):
     """A copy of checkpoint tdir (next to it) whose embedding row mask_id is zero: the drafter's
     mask slots then enter as zeros; the target's text never holds the token, so nothing else
     changes."""
-    import shutil
     from safetensors.torch import load_file, save_file
     out = tdir + "-zero-mask"
     if not os.path.exists(out):
@@ -364,7 +379,6 @@ def zero_mask_row(tdir, mask_id):
 def export_demo(b, work, tdir, info, out, n_train=512, n_val=64):
     """The demo target (train.py --target demo): the checkpoint, its build record, and prompts of
     16-48 tokens from the drafter's files (train) and the dev files (val) as token ids."""
-    import shutil
     tok, enc = tokenized(b, work)
     rng = np.random.default_rng(b.seed)
     nl = newline_ids(tok)

@@ -3051,6 +3051,13 @@ def test_quality_command_end_to_end(tmp_path, capsys):
     res = generate.replay_dataset(str(build / "target"), str(tmp_path / "run" / "drafter"),
                                   str(build / "data" / "test-greedy"), 24, temperature=1.0, seed=0)
     assert res["tau"] == pytest.approx(sampled, abs=5e-4) and res["prompts"] == 4 and res["cycles"] >= 4 * 24 / 16
+    # a build that changes only the data (here the drafter's prompts) reuses the target, trains none
+    quality.main(small + ["--target-train-prompts", "8", "--build-only"])
+    assert f"reusing the target of {build}" in capsys.readouterr().out
+    (other,) = set(tmp_path.glob("build-*")) - {build}
+    assert data.open_dataset(str(other / "data" / "train")).meta["n_samples"] == 8
+    for f in (build / "target").iterdir():
+        assert f.read_bytes() == (other / "target" / f.name).read_bytes(), f.name
 
 
 def chi_square(draws, probs):
