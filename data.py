@@ -365,8 +365,8 @@ def make_demo(out_dir, samples=384, val_samples=32, new_tokens=48, seed=0, force
     from target import Target, TargetConfig
     rng, n, t0 = np.random.default_rng(seed), samples + val_samples, time.time()
     if code:
-        cfg = TargetConfig.from_hf(target)
         model = Target.from_pretrained(target, dtype=torch.float32)
+        cfg = model.config
         z = np.load(os.path.join(target, "prompts.npz"))
         split = {s: np.split(z[s], z[s + "_offsets"][1:-1]) for s in ("train", "val")}
         if len(split["train"]) < samples or len(split["val"]) < val_samples:

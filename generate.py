@@ -120,7 +120,7 @@ def speculative_sampling(target, draft, prompts, max_new, temperature, generator
     # features of each prompt's committed positions but its last (the anchor: none yet)
     ctx = [feats[cu[j]:cu[j + 1]] for j in range(n)]
     cycles = [[] for _ in prompts]
-    live = [j for j in range(n) if int(first[j]) not in eos and max_new > 1]
+    live = [j for j, t in enumerate(first.tolist()) if t not in eos and max_new > 1]
     k = torch.arange(B, device=dev)
     while live:
         # the drafter: each live sequence a document, the anchor's feature row a placeholder
@@ -140,13 +140,11 @@ def speculative_sampling(target, draft, prompts, max_new, temperature, generator
         rest = (p[m, acc] - q0[m, acc]).clamp(min=0)
         bonus = sample(rest / rest.sum(-1, keepdim=True))
         still = []
-        for i, j in enumerate(live):
-            c = int(acc[i])
+        for i, (j, c, xs, b) in enumerate(zip(live, acc.tolist(), x.tolist(), bonus.tolist())):
             seqs[j] = torch.cat([seqs[j], x[i, :c], bonus[i:i + 1]])
             ctx[j] = feats[int(cu[i]):int(cu[i]) + len(seqs[j]) - 1]
             cycles[j].append(c + 1)
-            if len(seqs[j]) - len(prompts[j]) < max_new and not any(
-                    t in eos for t in seqs[j][-c - 1:].tolist()):
+            if len(seqs[j]) - len(prompts[j]) < max_new and not any(t in eos for t in xs[:c] + [b]):
                 still.append(j)
         live = still
     return [_finish(s[len(p):], max_new, eos) for s, p in zip(seqs, prompts)], cycles
@@ -349,7 +347,7 @@ def replay_dataset(target_path, drafter_path, data_dir, max_new, n=None, device=
                    temperature=0.0, seed=0):
     """tau by replay on a dataset of prompts (loss mask 0) each followed by its greedy continuation
     (mask 1, >= max_new + B - 1 tokens past any eos), as quality.py writes them: tau_summary's
-    dict, plus `differ`. temperature > 0: tau of speculative sampling from the same prompts (the
+    dict, plus `differ`. temperature > 0: sampled_tau's dict from the same prompts (the
     continuations unused), seeded."""
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -363,8 +361,8 @@ def replay_dataset(target_path, drafter_path, data_dir, max_new, n=None, device=
         lens.append(int(mask.argmax()))
     eos = set(hf_eos(target_path))
     if temperature:
-        return dict(sampled_tau(target, drafter, [s[:p].to(device) for s, p in zip(seqs, lens)],
-                                max_new, temperature, seed, eos), differ=0)
+        return sampled_tau(target, drafter, [s[:p].to(device) for s, p in zip(seqs, lens)],
+                           max_new, temperature, seed, eos)
     cycles, differ = replay(target, drafter, seqs, lens, max_new, eos)
     return dict(tau_summary(cycles, drafter.config.block_size), differ=differ)
 

@@ -179,8 +179,9 @@ class _WeightedCE(torch.autograd.Function):
                 # torch.compile fuses the chunks' kernels into one, which holds every chunk's logits
                 # at once. g - g is 0 (NaN only if the step already is); the compiler folds g * 0.
                 g = (grads[-1] if grads else loss.view(1, 1))[:1, :1]
-                x = x + (g - g).to(x.dtype)
-                t = None if t is None else t + (g - g).to(t.dtype)
+                zero = g - g
+                x = x + zero.to(x.dtype)
+                t = None if t is None else t + zero.to(t.dtype)
             logits = (x @ weight.t()).float()
             lse = logits.logsumexp(-1)
             y = labels[s:s + chunk, None]

@@ -317,9 +317,10 @@ def build(b, work, device):
             train_loss, dev_loss = old["train_loss"], old["dev_loss"]
             break
     else:
-        model, train_loss, dev_loss = train_target(b, hf_config(b), stream,
-                                                   np.concatenate(enc["dev"]), device)
-        save_hf(model, hf_config(b), tok, os.path.join(tmp, "target"))
+        cfg = hf_config(b)
+        model, train_loss, dev_loss = train_target(b, cfg, stream, np.concatenate(enc["dev"]),
+                                                   device)
+        save_hf(model, cfg, tok, os.path.join(tmp, "target"))
     secs["target"] = time.time() - t1
     # from here on the target as every user of the checkpoint sees it: bf16 (fp32 on CPU), fla
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
