@@ -5,7 +5,7 @@ machine running this trainer has (the standard library, numpy and torch), its an
 makes them, trains a drafter with train.py and prints tau, the accepted length per speculative
 cycle, replayed exactly on held-out prompts (generate.py's replay), mean +- 95% CI over prompts.
 
-  python quality.py                              # build or reuse; train with the defaults; tau on test
+  python quality.py                              # build or reuse; the defaults; tau on test
   python quality.py --split dev -- --lr 1e-3     # tune on dev: flags after -- go to train.py
   python quality.py --curve 1500,3000,4500       # tau of runs of these many steps: converged?
   python quality.py --tau-temperature 1 -- --kd 0.5   # distilled; tau greedy and sampled at T = 1
@@ -74,7 +74,8 @@ def corpus(max_files=0):
     folders skipped), in a fixed order."""
     import numpy
     import torch
-    roots = [("stdlib", sysconfig.get_paths()["stdlib"]), ("numpy", os.path.dirname(numpy.__file__)),
+    roots = [("stdlib", sysconfig.get_paths()["stdlib"]),
+             ("numpy", os.path.dirname(numpy.__file__)),
              ("torch", os.path.dirname(torch.__file__))]
     files = []
     for name, root in roots:
@@ -92,7 +93,8 @@ def corpus(max_files=0):
 
 def train_tokenizer(texts, vocab):
     tk = package("tokenizers", "quality.py")
-    decoders, models, pre_tokenizers, trainers = tk.decoders, tk.models, tk.pre_tokenizers, tk.trainers
+    decoders, models, pre_tokenizers = tk.decoders, tk.models, tk.pre_tokenizers
+    trainers = tk.trainers
     tok = tk.Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -184,8 +186,8 @@ def train_target(b, cfg, stream, dev_stream, device):
     B, T = b.batch, b.seq
     cu = torch.arange(0, B * T + 1, T)
     docs = Docs.of(cu, device, kernels=False)     # every row one document
-    rope = rope_cos_sin(positions_from_cu(cu).to(device), int(tc.head_dim * tc.partial_rotary_factor),
-                        tc.rope_theta)
+    rope = rope_cos_sin(positions_from_cu(cu).to(device),
+                        int(tc.head_dim * tc.partial_rotary_factor), tc.rope_theta)
 
     # one compiled graph per layer kind (the layers share their code), the rest eager
     run_layer = torch.compile(lambda layer, h: layer(h, rope, docs)) if cuda else (
@@ -395,7 +397,8 @@ def export_demo(b, work, tdir, info, out, n_train=512, n_val=64):
         arrays[split + "_offsets"] = np.cumsum([0] + [len(p) for p in ps])
     np.savez(os.path.join(out, "prompts.npz"), **arrays)
     log(f"exported the demo target to {out}: " + ", ".join(
-        f"{f} {os.path.getsize(os.path.join(out, f)) / 1e3:.0f} KB" for f in sorted(os.listdir(out))))
+        f"{f} {os.path.getsize(os.path.join(out, f)) / 1e3:.0f} KB"
+        for f in sorted(os.listdir(out))))
 
 def feature_stats(tdir, ddir, device, rows=8):
     """Scale of what the drafter reads: per tapped layer, the RMS over tokens and channels, the
@@ -438,14 +441,14 @@ def main(argv=None):
     ap.add_argument("--tau-temperature", type=number(float, 0), default=0.0,
                     help="> 0: also tau of speculative sampling at this temperature")
     ap.add_argument("--curve", default=None, metavar="N,N,...",
-                    help="learning curve: one train.py run per step count (--max-steps N), tau of each")
+                    help="learning curve: a train.py run per step count (--max-steps N), tau each")
     ap.add_argument("--build-only", action="store_true", help="build the target and data, stop")
     ap.add_argument("--export-demo", default=None, metavar="DIR",
                     help="build, then write the target and prompts of code to DIR as train.py's "
                     "demo target (the repo's demo/), stop")
     ap.add_argument("--mask-row", choices=("target", "zero"), default="target",
-                    help="the mask token's embedding row as trained (never seen: its init, decayed) "
-                    "or zero (a copy of the target with that row zeroed)")
+                    help="the mask token's embedding row as trained (never seen: its init, decayed)"
+                    " or zero (a copy of the target with that row zeroed)")
     for f, v in asdict(Build()).items():
         ap.add_argument("--target-" + f.replace("_", "-"), type=type(v), default=v, dest=f,
                         help=f"target build setting {f} (class Build)")

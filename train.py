@@ -74,7 +74,7 @@ group.add_argument("--row-anchors", type=number(int, 0), default=0,
 group.add_argument("--gamma", type=number(float, 0, above=True), default=7.0,
                    help="loss decay over block slots: weight exp(-(k-1)/gamma)")
 group.add_argument("--loss", choices=("dflash", "dpace"), default="dflash",
-                   help="dflash: decayed cross-entropy; dpace: D-PACE's expected-acceptance weights")
+                   help="dflash: decayed cross-entropy; dpace: D-PACE, expected-acceptance weights")
 group.add_argument("--dpace-alpha", type=number(float, 0, hi=1), default=0.5,
                    help="D-PACE smoothing of the drafter's probability: (1 - alpha) q + alpha")
 group.add_argument("--kd", type=number(float, 0, hi=1), default=0.0,
