@@ -228,6 +228,14 @@ class Row(NamedTuple):
     epoch: int
     index: int              # row in the epoch (>= the epoch's row count for a shard's filler row)
 
+    def packed(self):
+        """One int64 [5, budget] array, one upload: tokens, loss_mask, doc, pos, and where: the
+        (epoch, index) of the row in its first two slots (the non-finite log names rows)."""
+        where = np.zeros(len(self.tokens), np.int64)
+        where[:2] = self.epoch, self.index
+        return np.stack([self.tokens, self.loss_mask.astype(np.int64), self.doc.astype(np.int64),
+                         self.pos, where])
+
 class Packer:
     """Per epoch: a seeded shuffle of the samples, packed next-fit in that order into rows; row r
     goes to shard r % n_shards. The plan needs only lengths, so every shard computes the same one

@@ -2,21 +2,17 @@
 The DFlash drafter and its training objective (Chen et al., "DFlash: Block Diffusion for Flash
 Speculative Decoding", arXiv:2602.06036), in reading order:
   1) anchor sampling: which positions of a packed row start a draft block this step
-  2) THE anchor mask_mod: which keys each block query may see (one definition for every attention
-     path)
+  2) THE anchor mask_mod: which keys each block query may see (one definition for every path)
   3) the same mask as flex_attention BlockMask lists, in closed form
   4) the loss: weighted cross-entropy through the target's frozen LM head, chunked
-  5) the drafter: Qwen3 layers (full or sliding-window attention, RoPE default/linear/YaRN) over a
-     block [anchor, mask x (B-1)] whose keys/values also see the target's fused hidden states; its
-     training forward, the serving-side `propose`, and FLOPs
+  5) the drafter: Qwen3 layers over a block [anchor, mask x (B-1)] whose keys/values also see the
+     target's fused hidden states; its training forward, the serving-side `propose`, FLOPs
   6) export: save/load in the z-lab format that SGLang, vLLM and z-lab/dflash load
-  7) the drafter step: one packed row's anchors, forward and loss (train.py trains and evaluates
-     with it, bench.py times it)
+  7) the drafter step: one packed row's anchors, forward and loss (train.py compiles it)
 Notation: S context tokens in a packed row, N anchors (draft blocks) per row, B tokens per block.
 """
 import json
 import os
-import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field, fields
 
@@ -30,15 +26,13 @@ from target import MLP, ROPE_TYPES, RMSNorm, apply_rope, rope_cos_sin, rope_type
 # 1) anchors
 
 def sample_anchors(loss_mask, doc, per_doc, capacity):
-    """The anchors of one packed row, as the DFlash recipe samples them (paper sec. 4.2: a fixed
-    number of blocks per sequence, positions drawn at random every epoch): in every document,
-    min(per_doc, eligible) positions uniformly without replacement, where a is eligible iff
-    loss_mask[a] = loss_mask[a+1] = 1 in one document (the anchor is a served token and its first
-    drafted token is supervised). A row that wants more than `capacity` keeps the lowest-ranked
-    draws of every document (max-min fair: short documents keep all of theirs, long ones share the
-    rest evenly). Sorted (sorted anchors keep flex tiles sparse), on device, no host sync. Returns
-    anchors [capacity] long (0 in padded slots), keep [capacity] bool, and the number the row
-    wanted before the capacity cut (a 0-d tensor)."""
+    """The anchors of one packed row as the DFlash recipe samples them (paper sec. 4.2): in every
+    document, min(per_doc, eligible) positions uniformly without replacement, where a is eligible
+    iff loss_mask[a] = loss_mask[a+1] = 1 in one document (a served token whose next token is
+    supervised). A row that wants more than `capacity` keeps the lowest-ranked draws of every
+    document (max-min fair). Sorted (sorted anchors keep flex tiles sparse), on device, no host
+    sync. Returns anchors [capacity] (0 in padded slots), keep [capacity] bool, and the number the
+    row wanted before the capacity cut (0-d)."""
     S, dev = loss_mask.shape[0], loss_mask.device
     supervised = loss_mask > 0
     eligible = supervised[:-1] & supervised[1:] & (doc[:-1] == doc[1:])       # [S-1]
@@ -66,19 +60,15 @@ def sample_anchors(loss_mask, doc, per_doc, capacity):
 # 2) the mask
 
 def anchor_mask_mod(anchors, keep, doc, S, B, window=0):
-    """THE training mask, in flex_attention's mask_mod form. KV = [context (S) | block_0 ..
-    block_{N-1}], Q = the blocks. A query of block j sees context kv < anchor_j in the anchor's
-    document (strictly before: the anchor's own hidden state does not exist yet at serving time),
-    plus all B keys of its own block in both directions. Padded slots (keep False) see nothing.
-    Indices are clamped because flex also evaluates padded tiles past Q_LEN/KV_LEN. Every per-step
-    value is a device tensor, so nothing recompiles.
-    window > 0 (a sliding_attention layer) further keeps, as SGLang, vLLM and SpecForge serve and
-    train it, only keys at most window-1 positions before the query and none after it: the query at
-    anchor+k sees context from anchor+k-(window-1) and block slots k-(window-1)..k (causal in the
-    block). The window is a run constant (a Python int, part of the compiled graph)."""
+    """THE training mask as a flex_attention mask_mod. KV = [context (S) | block_0 .. block_{N-1}],
+    Q = the blocks. A query of block j sees context kv < anchor_j in the anchor's document
+    (strictly before: the anchor's own hidden state does not exist yet at serving time), plus all
+    B keys of its own block in both directions. Padded slots (keep False) see nothing. Indices are
+    clamped: flex also evaluates padded tiles. Per-step values are device tensors: no recompile.
+    window > 0 (a sliding layer), as SGLang, vLLM and SpecForge serve and train it: the query at
+    anchor+k sees context from anchor+k-(window-1) and block slots k-(window-1)..k (causal)."""
     N = anchors.shape[0]
-    # int32, as flex's q_idx/kv_idx: int64 arithmetic on every [q, kv] tile element slows the
-    # sliding layers' backward (README: Results)
+    # int32, as flex's q_idx/kv_idx: int64 arithmetic on every tile element slows the backward
     anchors, doc = anchors.int(), doc.int()
     def mask_mod(b, h, q_idx, kv_idx):
         j = (q_idx // B).clamp(max=N - 1)
@@ -97,25 +87,21 @@ def anchor_mask_mod(anchors, keep, doc, S, B, window=0):
 # -----------------------------------------------------------------------------
 # 3) the mask as BlockMask lists
 
-# the BlockMask tile (queries x keys): anchor_blocks builds its lists, row_attention declares it
-TILE = 128
+TILE = 128      # the BlockMask tile (queries x keys)
 
 def anchor_blocks(anchors, keep, doc, S, B, window=0):
     """The BlockMask of anchor_mask_mod in closed form, eager and sort-free on the device: (kv_num,
     kv_idx, full_kv_num, full_kv_idx, q_num, q_idx, full_q_num, full_q_idx), exactly what
-    create_block_mask returns (the tests check it). Not create_block_mask inside the compiled step:
-    on torch 2.11 its argsort compiles to a Triton sort that takes minutes (pytorch/pytorch#182060).
-    Needs each document to be one contiguous run of `doc`, as the packer writes rows: then query row
-    r of anchor j (slot k = r % B) sees one interval of context, [start of a_j's document, a_j), and
-    one of its own block, all B keys; a sliding window (window > 0) raises the context start to
-    a_j + k - (window-1) and makes the block part [k - (window-1), k]."""
+    create_block_mask returns (tested), without its argsort, which compiles to a Triton sort that
+    takes minutes (pytorch/pytorch#182060). Needs each document to be one contiguous run of `doc`,
+    as the packer writes rows: then query row r of anchor j (slot k) sees one interval of context,
+    [start of a_j's document, a_j), and one of its own block."""
     N, dev = anchors.shape[0], anchors.device
     Q, KV = N * B, S + N * B
     t = torch.arange(S, device=dev)
     new_doc = torch.ones(S, dtype=torch.bool, device=dev)
     new_doc[1:] = doc[1:] != doc[:-1]
-    # first position of each token's document
-    doc_start = torch.where(new_doc, t, 0).cummax(0).values
+    doc_start = torch.where(new_doc, t, 0).cummax(0).values             # of each token's document
     r = torch.arange(-(-Q // TILE) * TILE, device=dev)[:, None]         # (tile-padded) query rows
     j, k = r // B, r % B                                                 # their anchor, block slot
     real = j < N
@@ -153,22 +139,21 @@ def anchor_blocks(anchors, keep, doc, S, B, window=0):
 
 def dpace_weights(q, valid, alpha):
     """D-PACE's position weights (arXiv 2605.18810; SpecForge's _dpace_weight) for blocks [..., B]:
-    q the drafter's probability of each slot's label, smoothed q' = (1 - alpha) q + alpha, a no-op
-    (1) at invalid slots; weight_k = sum over valid j >= k of prod_{i <= j} q'_i, i.e. the expected
-    accepted length from slot k on; zero at invalid slots. Detached by the caller."""
+    q the drafter's probability of each slot's label, smoothed q' = (1 - alpha) q + alpha (1 at
+    invalid slots); weight_k = sum over valid j >= k of prod_{i <= j} q'_i, the expected accepted
+    length from slot k on; zero at invalid slots. Detached by the caller."""
     smooth = torch.where(valid, (1 - alpha) * q + alpha, torch.ones_like(q))
     prefix = smooth.cumprod(-1) * valid
     return prefix.flip(-1).cumsum(-1).flip(-1) * valid
 
 class _WeightedCE(torch.autograd.Function):
-    """sum_i w_i * CE(h_i @ W^T, y_i) over the frozen LM head, in chunks of rows so the [N*B, vocab]
-    logits never exist at once, compiled too (test_compiled_step_holds_one_chunk_of_logits). The
-    gradient wrt h is computed in the forward (W is frozen, so it is the only gradient), which saves
-    re-running the 2*Q*V*H-FLOP logits GEMM in the backward.
+    """sum_i w_i * CE(h_i @ W^T, y_i) over the frozen LM head W, in chunks of rows so the
+    [N*B, vocab] logits never exist at once. The gradient wrt h (the only one: W is frozen) is
+    computed in the forward, which saves re-running the logits GEMM in the backward.
     dpace=alpha: w is the 0/1 supervision and each block's weights are dpace_weights of the slots'
     own probabilities (chunks of whole blocks of B rows), constants for the gradient.
-    teacher [rows, H]: the target's normed final hidden state where each row's token is predicted,
-    and kd=W: each row's term is (1 - W) CE + W KL(softmax(teacher @ W^T) || softmax(h @ W^T))."""
+    teacher [rows, H]: the target's normed final hidden state where each row's token is predicted;
+    kd=W: each row's term is (1 - W) CE + W KL(softmax(teacher @ W^T) || softmax(h @ W^T))."""
     @staticmethod
     def forward(ctx, h, weight, labels, w, chunk, B=None, dpace=None, teacher=None, kd=0.0):
         loss, pred, grads = h.new_zeros((), dtype=torch.float32), [], []
@@ -219,24 +204,20 @@ class _WeightedCE(torch.autograd.Function):
 # 5) the drafter
 
 def default_target_layer_ids(n_target_layers, n_feat):
-    # z-lab/SpecForge/SGLang formula: evenly spaced from layer 1 to L-3,
-    # e.g. [1,16,31,46,61] for 64 layers
+    # z-lab/SpecForge/SGLang: evenly spaced from layer 1 to L-3, e.g. [1,16,31,46,61] for 64 layers
     if n_feat == 1:
         return [n_target_layers // 2]
     return [int(round(1 + i * (n_target_layers - 4) / (n_feat - 1))) for i in range(n_feat)]
 
-# the layer kinds of HF layer_types a drafter has
-FULL, SLIDING = "full_attention", "sliding_attention"
+FULL, SLIDING = "full_attention", "sliding_attention"   # the HF layer_types a drafter has
 
-# z-lab's published drafters by target (layers, hidden size, routed experts); the rest of
-# their geometry is from_target's rule (32 heads of 128, 8 kv heads; intermediate the
-# target's SwiGLU width)
+# z-lab's published drafters by target (layers, hidden size, routed experts); the rest of their
+# geometry is from_target's rule
 PUBLISHED_DRAFTERS = {
-    # z-lab/Qwen3.6-27B-DFlash (and Qwen3.5-27B): 4 x sliding 2048 + 1 full,
-    # taps [1, 16, 31, 46, 61]
+    # z-lab/Qwen3.6-27B-DFlash (and Qwen3.5-27B): 4 x sliding 2048 + 1 full, taps [1,16,31,46,61]
     (64, 5120, 0): dict(n_feat=5, num_hidden_layers=5, sliding_window=2048, mask_token_id=248070),
     # z-lab/Qwen3.5-35B-A3B-DFlash and Qwen3.6-35B-A3B-DFlash (revision of June 2026):
-    # 5 x sliding 4096 + 1 full, taps [1, 6, 11, 16, 22, 27, 32, 37], intermediate 6144, mask 248077
+    # 5 x sliding 4096 + 1 full, taps [1, 6, 11, 16, 22, 27, 32, 37]
     (40, 2048, 256): dict(n_feat=8, num_hidden_layers=6, sliding_window=4096, mask_token_id=248077,
                           intermediate_size=6144),
 }
@@ -261,7 +242,7 @@ class DrafterConfig:
     layer_types: list = None            # per layer FULL or SLIDING (None: all FULL)
     sliding_window: int = None          # tokens a SLIDING query sees, itself included (HF meaning)
     use_sliding_window: bool = None     # HF Qwen3Config's switch (None: True iff a layer slides)
-    max_window_layers: int = None       # HF Qwen3Config field; only exported (layer_types rules)
+    max_window_layers: int = None       # HF Qwen3Config field; only exported
     rope_scaling: dict = None           # None (plain RoPE) or {"rope_type": "linear"/"yarn", ...}
 
     def __post_init__(self):
@@ -273,45 +254,38 @@ class DrafterConfig:
         if self.max_window_layers is None:
             self.max_window_layers = L
         bad = [t for t in self.layer_types if t not in (FULL, SLIDING)]
-        kind, s = rope_type(self.rope_scaling), self.rope_scaling or {}
-        factor = s.get("factor")
-        checks = [
-            (len(self.layer_types) == L,
-             f"layer_types has {len(self.layer_types)} entries for {L} layers"),
-            (not bad,
-             f"layer_types: {bad[0] if bad else ''!r} is not supported ({FULL} or {SLIDING})"),
-            (not slides or (type(self.sliding_window) is int and self.sliding_window > 0),
-             f"sliding_window {self.sliding_window!r}: sliding layers need a positive window "
-             "(tokens)"),
-            (not slides or self.use_sliding_window,
-             "use_sliding_window is false but layer_types has sliding layers (HF then drops "
-             "sliding_window)"),
-            (kind in ROPE_TYPES,
-             f"rope_scaling: rope_type {kind!r} is not supported ({', '.join(ROPE_TYPES)})"),
-            (kind == "default" or (isinstance(factor, (int, float)) and factor > 0),
-             f"rope_scaling: {kind} needs a positive factor, got {factor!r}"),
-        ]
-        for ok, msg in checks:
+        kind, factor = rope_type(self.rope_scaling), (self.rope_scaling or {}).get("factor")
+        for ok, msg in [
+                (len(self.layer_types) == L,
+                 f"layer_types has {len(self.layer_types)} entries for {L} layers"),
+                (not bad, f"layer_types: {bad[0] if bad else ''!r} is not supported ({FULL} or "
+                 f"{SLIDING})"),
+                (not slides or (type(self.sliding_window) is int and self.sliding_window > 0),
+                 f"sliding_window {self.sliding_window!r}: sliding layers need a positive window "
+                 "(tokens)"),
+                (not slides or self.use_sliding_window, "use_sliding_window is false but "
+                 "layer_types has sliding layers (HF then drops sliding_window)"),
+                (kind in ROPE_TYPES,
+                 f"rope_scaling: rope_type {kind!r} is not supported ({', '.join(ROPE_TYPES)})"),
+                (kind == "default" or (isinstance(factor, (int, float)) and factor > 0),
+                 f"rope_scaling: {kind} needs a positive factor, got {factor!r}")]:
             if not ok:
                 raise ValueError(msg)
 
     def windows(self):
-        """{layer kind: window} for the kinds present (0: full attention), the masks one step
-        builds."""
-        return {t: self.sliding_window if t == SLIDING else 0
-                for t in sorted(set(self.layer_types))}
+        # {layer kind: window} of the kinds present (0: full attention): the masks a step builds
+        return {t: self.sliding_window if t == SLIDING else 0 for t in sorted(set(self.layer_types))}
 
     @classmethod
     def from_target(cls, t, n_feat=None, sliding_window=None, **overrides):
-        """Defaults: z-lab's published drafter for the target's geometry (PUBLISHED_DRAFTERS), else
-        n_feat 3 taps under 16 target layers (5 from 16 up) and 5 full-attention layers.
-        sliding_window: tokens per sliding layer, all layers but the last sliding as in the
-        published drafters; 0 for all full attention."""
+        """Defaults: z-lab's published drafter for the target's geometry, else 3 taps under 16
+        target layers (5 from 16 up) and 5 full-attention layers. sliding_window: tokens per
+        sliding layer, all layers but the last sliding as published; 0: all full attention."""
         pub = PUBLISHED_DRAFTERS.get((t.num_hidden_layers, t.hidden_size, t.num_experts), {})
         n_feat = n_feat or pub.get("n_feat", 3 if t.num_hidden_layers < 16 else 5)
         # attention: the published 32 heads of 128 (8 kv heads) from 1024 wide; below, heads of 64
-        # (kv 2), and 4 of 16 under 256 (the CPU demo). Heads of 16 on a 384-wide target read its
-        # features through 32 value dims and learn almost nothing (README, What did I get?)
+        # (kv 2), and 4 of 16 under 256 (the CPU demo): heads of 16 on a 384-wide target read its
+        # features through 32 value dims and learn almost nothing (RESULTS.md)
         if t.hidden_size >= 1024:
             heads, kv_heads, head_dim = 32, 8, 128
         elif t.hidden_size >= 256:
@@ -319,10 +293,8 @@ class DrafterConfig:
             kv_heads = 2 if heads % 2 == 0 else 1
         else:
             heads, kv_heads, head_dim = 4, 2, 16
-        # published z-lab mask ids for Qwen3.5/3.6 and Qwen3
-        known_mask = {248320: 248070, 151936: 151669}
-        # an MoE target has no SwiGLU
-        dense_width = 3 * t.hidden_size if t.num_experts else t.intermediate_size
+        known_mask = {248320: 248070, 151936: 151669}   # z-lab's mask ids for Qwen3.5/3.6, Qwen3
+        dense_width = 3 * t.hidden_size if t.num_experts else t.intermediate_size  # MoE: no SwiGLU
         kw = dict(hidden_size=t.hidden_size,
                   intermediate_size=pub.get("intermediate_size", dense_width),
                   num_hidden_layers=pub.get("num_hidden_layers", cls.num_hidden_layers),
@@ -350,8 +322,8 @@ def drafter_rope(pos, c):
     return rope_cos_sin(pos, c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings)
 
 def _dense_attention(allowed):
-    # allowed [Q, KV] bool, or None for every key
-    # padded slots (queries that see nothing): zeros, as flex gives
+    # allowed [Q, KV] bool, or None for every key. Padded slots (queries that see nothing): zeros,
+    # as flex gives
     blind = None if allowed is None else ~allowed.any(-1)[:, None]
     def attend(q, k, v):
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
@@ -360,9 +332,8 @@ def _dense_attention(allowed):
 
 def flex_kernel_options(device):
     """flex_attention kernel options for this GPU. ~227 KB of shared memory per block
-    (H100/H200/B200): inductor's tiles with 2 pipeline stages in the backward instead of 3, the
-    faster there (README: Results). ~100 KB (RTX PRO 6000 Blackwell, consumer parts): smaller
-    tiles, as inductor's defaults do not fit."""
+    (H100/H200/B200): inductor's tiles, 2 pipeline stages in the backward instead of 3, the faster
+    there (RESULTS.md). ~100 KB (consumer parts): smaller tiles; inductor's defaults do not fit."""
     props = torch.cuda.get_device_properties(device)
     if getattr(props, "shared_memory_per_block_optin", 0) >= 200 * 1024:
         return dict(bwd_num_stages=2)
@@ -377,15 +348,14 @@ def _flex_attention(block_mask, kernel_options):
     return attend
 
 def block_lists(config, anchors, keep, doc, S):
-    """{layer kind: anchor_blocks(...)}: the BlockMask lists of each mask a step uses, built before
-    the graph."""
+    # {layer kind: anchor_blocks(...)}: each mask's BlockMask lists, built before the graph
     return {kind: anchor_blocks(anchors, keep, doc, S, config.block_size, window)
             for kind, window in config.windows().items()}
 
 def row_attention(config, anchors, keep, doc, S, flex=None, blocks=None):
-    """{layer kind: attend(q, k, v)}: THE mask of each kind present (shared by its layers) as a
-    dense boolean mask + SDPA (flex None: CPU) or as a flex_attention BlockMask over the lists
-    blocks = block_lists(...) with kernel options flex (GPU, inside the compiled step)."""
+    """{layer kind: attend(q, k, v)}: THE mask of each kind present as a dense boolean mask + SDPA
+    (flex None: CPU), or as a flex_attention BlockMask over blocks = block_lists(...) with kernel
+    options flex (GPU, inside the compiled step)."""
     N, B, dev = anchors.shape[0], config.block_size, anchors.device
     attend = {}
     for kind, window in config.windows().items():
@@ -405,9 +375,8 @@ class DrafterAttention(nn.Module):
     """Qwen3 attention whose keys/values are [context ; block] and whose queries are the block."""
     def __init__(self, c):
         super().__init__()
-        self.n_heads = c.num_attention_heads
-        self.n_kv_heads = c.num_key_value_heads
-        self.head_dim = c.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = (c.num_attention_heads,
+                                                        c.num_key_value_heads, c.head_dim)
         q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         self.q_proj = nn.Linear(c.hidden_size, q_dim, bias=False)
         self.k_proj = nn.Linear(c.hidden_size, kv_dim, bias=False)
@@ -451,10 +420,9 @@ class Drafter(nn.Module):
 
     def hidden(self, feats, ctx_pos, block_emb, block_pos, attend):
         """feats [S, n_feat*H] target features, block_emb [Q, H], positions for RoPE, attend {layer
-        kind: attention function} -> [Q, H] (final-normed)."""
+        kind: attention function} -> [Q, H], final-normed."""
         c = self.config
-        # the same fused context feeds k/v of every layer
-        ctx = self.hidden_norm(self.fc(feats))
+        ctx = self.hidden_norm(self.fc(feats))      # one fused context feeds k/v of every layer
         rope_q = drafter_rope(block_pos, c)
         rope_kv = drafter_rope(torch.cat([ctx_pos, block_pos]), c)
         h = block_emb.to(ctx.dtype)
@@ -464,18 +432,16 @@ class Drafter(nn.Module):
 
     def forward(self, feats, tokens, loss_mask, doc, pos, anchors, keep, embed, head, gamma=7.0,
                 flex=None, blocks=None, ce_chunk=1024, dpace=None, teacher=None, kd=None):
-        """Masked training forward over one packed row. feats [S, n_feat*H] target features;
-        tokens/loss_mask/doc/pos [S]; anchors/keep [N] from sample_anchors; embed/head the target's
-        frozen weights [vocab, H]. flex: None -> dense boolean mask + SDPA (CPU); else a dict of
-        flex_attention kernel options (GPU), with blocks = block_lists(...) computed before the
-        compiled graph. dpace=alpha: D-PACE's weights instead of the decay. teacher [S, H]: the
-        target's final hidden state (before its norm), with kd=(W, the target's final norm): each
-        slot's cross-entropy becomes (1 - W) CE + W KL against the target's own next-token
-        distribution there. Returns a dict of device tensors: the loss and the sums behind
-        acceptance and per-slot accuracy."""
+        """Masked training forward over one packed row. feats [S, n_feat*H]; tokens, loss_mask,
+        doc, pos [S]; anchors, keep [N] from sample_anchors; embed, head the target's frozen
+        [vocab, H]. flex None: dense mask + SDPA (CPU); else flex_attention kernel options (GPU),
+        with blocks = block_lists(...) made before the compiled graph. dpace=alpha: D-PACE's
+        weights instead of the decay. teacher [S, H] (the target's final hidden state, before its
+        norm) with kd=(W, that norm): each slot's term is (1 - W) CE + W KL against the target's
+        next-token distribution. Returns device tensors: the loss and the sums behind acceptance
+        and per-slot accuracy."""
         c, S, N, B = self.config, tokens.shape[0], anchors.shape[0], self.config.block_size
-        dev = tokens.device
-        k = torch.arange(B, device=dev)
+        k = torch.arange(B, device=tokens.device)
         idx = anchors[:, None] + k                         # [N, B] absolute positions of the block
         inside = idx < S
         idx = idx.clamp(max=S - 1)
@@ -485,15 +451,13 @@ class Drafter(nn.Module):
         attend = row_attention(c, anchors, keep, doc, S, flex, blocks)
         block_pos = (pos[anchors][:, None] + k).view(-1)   # RoPE positions anchor..anchor+B-1
         h = self.hidden(feats, pos, F.embedding(block_ids.view(-1), embed), block_pos, attend)
-        # labels: block slot k predicts the token AT anchor+k (no extra shift); slot 0 is the
-        # anchor itself
+        # labels: slot k predicts the token AT anchor+k (no extra shift); slot 0 is the anchor
         decay = torch.exp(-(k - 1).clamp(min=0).float() / gamma)
         same_doc = doc[idx] == doc[anchors][:, None]
         supervised = keep[:, None] & (k > 0) & inside & (loss_mask[idx] > 0) & same_doc
         w = supervised.float() * decay                     # [N, B]
         labels = tokens[idx]
-        weights, chunk = w, ce_chunk
-        norm = w.sum().clamp(min=1e-6)
+        weights, chunk, norm = w, ce_chunk, w.sum().clamp(min=1e-6)
         if dpace is not None:
             # D-PACE: no decay; the sum over the row's samples (documents with an anchor), as
             # SpecForge divides by its batch of samples; chunks of whole blocks
@@ -514,14 +478,13 @@ class Drafter(nn.Module):
 
     @torch.no_grad()
     def propose(self, ctx_feats, ctx_pos, anchor_token, anchor_pos, embed, head):
-        """What a serving engine runs: context = target features of the positions before the anchor,
-        block = [anchor, mask x (B-1)] at positions anchor_pos... Full layers: every key, no mask.
-        Sliding layers, as SGLang (models/dflash.py: DECODER attention, window sliding_window-1 keys
-        left of the query) and vLLM (models/qwen3_dflash.py: causal iff sliding; flash-attn window
-        (W-1, 0)) run them: a key at position p is seen by the query at q iff q - (W-1) <= p <= q.
-        Returns (B-1 tokens, their logits)."""
-        c = self.config
-        dev = ctx_feats.device
+        """What a serving engine runs: context = target features of the positions before the
+        anchor, block = [anchor, mask x (B-1)] at positions anchor_pos... Full layers see every key.
+        Sliding layers as SGLang (models/dflash.py: DECODER attention, window sliding_window-1
+        keys left of the query) and vLLM (models/qwen3_dflash.py: causal iff sliding) run them: a
+        key at position p is seen by the query at q iff q - (W-1) <= p <= q. Returns (B-1 tokens,
+        their logits)."""
+        c, dev = self.config, ctx_feats.device
         block = torch.full((c.block_size,), c.mask_token_id, dtype=torch.long, device=dev)
         block[0] = anchor_token
         block_pos = anchor_pos + torch.arange(c.block_size, device=dev)
@@ -535,16 +498,15 @@ class Drafter(nn.Module):
 
     def flops(self, S, N, visible=None, kd=False):
         """Matmul FLOPs of one training step (fwd + bwd) at S context tokens and N anchors.
-        visible: {layer kind: the (query, key) pairs its mask lets through}, for the attention FLOPs
-        (data dependent; None leaves them out). kd: with the teacher's logits (--kd)."""
+        visible: {layer kind: (query, key) pairs its mask lets through} for the attention FLOPs
+        (None leaves them out). kd: with the teacher's logits."""
         c, Q = self.config, N * self.config.block_size
         q_o_mlp = c.hidden_size * (2 * c.num_attention_heads * c.head_dim + 3 * c.intermediate_size)
         kv = 2 * c.hidden_size * c.num_key_value_heads * c.head_dim
         fwd = 2 * c.num_hidden_layers * (Q * q_o_mlp + (S + Q) * kv)
         pairs = sum((visible or {}).get(kind, 0) for kind in c.layer_types)
         attn = 4 * c.num_attention_heads * c.head_dim * pairs          # QK^T and PV
-        # fc's input needs no gradient: fwd + dW only
-        fc = 2 * S * self.fc.in_features * c.hidden_size
+        fc = 2 * S * self.fc.in_features * c.hidden_size               # no input grad: fwd + dW
         head = 2 * Q * c.vocab_size * c.hidden_size
         # trainable GEMMs: fwd + 2x bwd; frozen head: logits + dh (kd: + the teacher's logits)
         return 3 * (fwd + attn) + 2 * fc + (3 if kd else 2) * head
@@ -581,8 +543,8 @@ class Drafter(nn.Module):
             save_file(tensors, tmp + ".safetensors", metadata=meta)
             with open(tmp + ".json", "w") as f:
                 json.dump(cfg, f, indent=2)
-            # safetensors creates 0600; give it the mode open() gave config.json (0644 under
-            # umask 022), so a server running as another user can read it
+            # safetensors creates 0600; give it config.json's mode (0644 under umask 022), so a
+            # server running as another user can read it
             os.chmod(tmp + ".safetensors", os.stat(tmp + ".json").st_mode & 0o777)
             os.replace(tmp + ".safetensors", os.path.join(out_dir, "model.safetensors"))
             os.replace(tmp + ".json", os.path.join(out_dir, "config.json"))
@@ -593,8 +555,8 @@ class Drafter(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path, device="cpu", dtype=torch.float32):
-        """Loads a z-lab format drafter. A missing file or field, a config field this drafter cannot
-        honour, a tensor of the wrong shape: a one-line ValueError naming the file."""
+        """Loads a z-lab format drafter. A missing file or field, a config field this drafter
+        cannot honour, a tensor of the wrong shape: a one-line ValueError naming the file."""
         from safetensors import SafetensorError
         from safetensors.torch import load_file
         files = [os.path.join(path, f) for f in ("config.json", "model.safetensors")]
@@ -606,8 +568,8 @@ class Drafter(nn.Module):
             with open(files[0]) as f:
                 config = config_from_json(json.load(f))
         except (ValueError, KeyError, TypeError, AttributeError) as e:   # KeyError: no such field
-            why = f"no field {e}" if isinstance(e, KeyError) else e
-            raise ValueError(f"{files[0]}: {why}") from None
+            raise ValueError(f"{files[0]}: {f'no field {e}' if isinstance(e, KeyError) else e}"
+                             ) from None
         model = cls(config)
         try:
             weights = load_file(files[1])
@@ -625,9 +587,9 @@ class Drafter(nn.Module):
         return model.to(device=device, dtype=dtype)
 
 def config_from_json(cfg):
-    """DrafterConfig of a z-lab config.json dict (HF Qwen3Config fields + dflash_config). RoPE is
-    read from either spelling: transformers 4.x `rope_scaling` + top-level `rope_theta` (z-lab's),
-    or 5.x `rope_parameters`."""
+    """DrafterConfig of a z-lab config.json dict (HF Qwen3Config fields + dflash_config). RoPE in
+    either spelling: transformers 4.x `rope_scaling` + top-level `rope_theta` (z-lab's), or 5.x
+    `rope_parameters`."""
     dflash = cfg.get("dflash_config", {})
     if not {"mask_token_id", "target_layer_ids"} <= set(dflash):
         raise ValueError("no dflash_config with mask_token_id and target_layer_ids: not a DFlash "
@@ -636,38 +598,34 @@ def config_from_json(cfg):
     kw = {k: v for k, v in cfg.items() if k in names}
     kw.update(block_size=dflash.get("block_size", cfg.get("block_size", 16)),
               mask_token_id=dflash["mask_token_id"], target_layer_ids=dflash["target_layer_ids"])
-    # 5.x: rope_scaling or rope_parameters
     rope = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
     theta = rope.pop("rope_theta", cfg.get("rope_theta"))
     rotary = rope.pop("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
     kw.update(rope_theta=theta, rope_scaling=rope if rope_type(rope) != "default" else None)
-    # HF Qwen3Config's rule: sliding from layer max_window_layers on, if enabled
-    if "layer_types" not in cfg:
+    if "layer_types" not in cfg:   # HF Qwen3Config's rule: sliding from max_window_layers on
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
         first = cfg.get("max_window_layers", 28)
         kw["layer_types"] = [SLIDING if window is not None and i >= first else FULL
                              for i in range(cfg["num_hidden_layers"])]
-    # vLLM: an explicit value applies to every layer
-    causal = cfg.get("is_causal", dflash.get("causal"))
+    causal = cfg.get("is_causal", dflash.get("causal"))   # vLLM: one value for every layer
     kinds = set(kw["layer_types"])
-    checks = [
-        (theta is not None, "no rope_theta (top level or in rope_parameters)"),
-        (not (set(rope) & {FULL, SLIDING}), "rope_parameters per layer type are not supported"),
-        (cfg.get("hidden_act", "silu") == "silu",
-         f"hidden_act {cfg.get('hidden_act')!r}: only silu is supported"),
-        (not cfg.get("attention_bias"),
-         "attention_bias true is not supported (q/k/v/o have no bias)"),
-        (not cfg.get("attention_dropout"),
-         f"attention_dropout {cfg.get('attention_dropout')}: not supported "
-         "(the drafter trains without dropout)"),
-        (rotary == 1.0, f"partial_rotary_factor {rotary}: only 1.0 is supported"),
-        (rope_type(rope) != "yarn" or "original_max_position_embeddings" not in cfg,
-         "a top-level original_max_position_embeddings is not supported; put it in rope_scaling"),
-        (causal is None or kinds == {SLIDING if causal else FULL},
-         f"is_causal / dflash_config.causal {causal}: this drafter trains sliding layers causal "
-         f"and full layers bidirectional, as the engines serve layer_types {sorted(kinds)}"),
-    ]
-    for ok, msg in checks:
+    for ok, msg in [
+            (theta is not None, "no rope_theta (top level or in rope_parameters)"),
+            (not (set(rope) & {FULL, SLIDING}), "rope_parameters per layer type are not supported"),
+            (cfg.get("hidden_act", "silu") == "silu",
+             f"hidden_act {cfg.get('hidden_act')!r}: only silu is supported"),
+            (not cfg.get("attention_bias"),
+             "attention_bias true is not supported (q/k/v/o have no bias)"),
+            (not cfg.get("attention_dropout"), f"attention_dropout "
+             f"{cfg.get('attention_dropout')}: not supported (the drafter trains without dropout)"),
+            (rotary == 1.0, f"partial_rotary_factor {rotary}: only 1.0 is supported"),
+            (rope_type(rope) != "yarn" or "original_max_position_embeddings" not in cfg,
+             "a top-level original_max_position_embeddings is not supported; put it in "
+             "rope_scaling"),
+            (causal is None or kinds == {SLIDING if causal else FULL},
+             f"is_causal / dflash_config.causal {causal}: this drafter trains sliding layers "
+             f"causal and full layers bidirectional, as the engines serve layer_types "
+             f"{sorted(kinds)}")]:
         if not ok:
             raise ValueError(msg)
     return DrafterConfig(**kw)
@@ -675,130 +633,29 @@ def config_from_json(cfg):
 # -----------------------------------------------------------------------------
 # 7) the drafter step
 
-def drafter_loss(drafter, feats, row, anchors, keep, blocks, embed, head, gamma, flex, dpace=None,
-                 kd=None):
-    """Drafter.forward on one packed row, under bf16 autocast on GPU: the graph train.py compiles
-    (one graph, static shapes). row: {"tokens", "loss_mask", "doc", "pos"} [S] on the device;
-    anchors, keep, blocks as drafter_step draws them. kd=(W, the target's final norm): the last
-    hidden-size columns of feats are the target's final hidden state, the distillation teacher.
-    Evals run it too, with autograd recording and no backward (their saved activations are freed
-    with the output): a no_grad eval would be a second graph, compiled once more."""
+def drafter_loss(drafter, feats, row, kd=None, **kw):
+    """Drafter.forward on one packed row under bf16 autocast on GPU: the graph train.py compiles
+    (static shapes). row: {"tokens", "loss_mask", "doc", "pos"} [S] on the device; kw: Drafter.
+    forward's keywords. kd=(W, the target's final norm): the last hidden-size columns of feats are
+    the target's final hidden state, the teacher. Evals run it too, with autograd recording and no
+    backward (their saved activations are freed with the output): a no_grad eval would be a second
+    graph, compiled once more."""
     teacher, H = None, drafter.config.hidden_size
     if kd is not None:
         feats, teacher = feats[:, :-H], feats[:, -H:]
     with torch.autocast("cuda", torch.bfloat16) if feats.is_cuda else nullcontext():
         return drafter(feats, tokens=row["tokens"], loss_mask=row["loss_mask"], doc=row["doc"],
-                       pos=row["pos"], anchors=anchors, keep=keep, embed=embed, head=head,
-                       gamma=gamma, flex=flex, blocks=blocks, dpace=dpace, teacher=teacher, kd=kd)
+                       pos=row["pos"], teacher=teacher, kd=kd, **kw)
 
-def drafter_step(drafter, feats, row, per_doc, capacity, embed, head, gamma=7.0, flex=None,
-                 loss=drafter_loss, dpace=None, kd=None):
+def drafter_step(drafter, feats, row, *, per_doc, capacity, loss=drafter_loss, **kw):
     """The drafter's part of a training step on one packed row, before its backward: the row's
-    anchors (sample_anchors: up to per_doc per document, capacity per row) and, for flex, their
-    BlockMask lists, made on the device just before the graph (a few eager kernels, no host sync)
-    and entering it as inputs, as inductor's flex lowering rejects mask tensors computed inside
-    the graph; then loss(...): drafter_loss, or train.py's compiled drafter_loss. Returns
-    (Drafter.forward's dict: the loss and the sums behind its metrics, the anchors the row wanted
-    before the capacity cut)."""
+    anchors (up to per_doc per document, capacity per row) and, for flex, their BlockMask lists,
+    made on the device just before the graph (inductor's flex lowering rejects mask tensors made
+    inside it); then loss(drafter, feats, row, **kw): drafter_loss, or train.py's compiled one.
+    kw: embed, head, gamma, flex, dpace, kd. Returns (the loss's dict, anchors wanted before the
+    capacity cut)."""
     anchors, keep, wanted = sample_anchors(row["loss_mask"], row["doc"], per_doc, capacity)
     blocks = None
-    if flex is not None:
+    if kw.get("flex") is not None:
         blocks = block_lists(drafter.config, anchors, keep, row["doc"], row["doc"].shape[0])
-    return (loss(drafter, feats, row, anchors, keep, blocks, embed, head, gamma, flex, dpace, kd),
-            wanted)
-
-# -----------------------------------------------------------------------------
-# the checks that flex_attention really computes THE mask, with the fused backward
-# (train.py, bench.py)
-
-def flex_backward_kernels(prof, kinds):
-    """Names of the flex_attention backward kernels a torch.profiler run saw, the fused ones first,
-    and whether the fused inductor template (triton_tem_fused_flex_attention_backward_*) ran for all
-    `kinds` masks (each mask_mod compiles its own). Outside a compiled graph flex runs a dense math
-    backward instead, which holds every layer's whole [heads, queries, keys] score matrix."""
-    names = {e.name for e in prof.events() if "flex_attention_backward" in e.name}
-    names = sorted(names, key=lambda n: "_tem_" not in n)
-    return names, sum("_tem_" in n for n in names) >= kinds
-
-def flex_matches_dense(config, device, kernel_options=None, candidate=None):
-    """The start-up self-check: compiled flex_attention (forward and fused backward) with THE mask
-    of each layer kind of config, built as the training step builds it (closed-form lists ->
-    BlockMask inside the compiled graph), vs the dense mask + SDPA, in fp32 without TF32, with
-    config's head geometry and block size, on a 512-token row of 3 documents with anchors at
-    document starts and padded slots (the window cut to 100 tokens so that it binds). Outputs and
-    the gradients of q, k, v under a random linear loss must agree. A torch whose flex backward is
-    silently wrong fails it (one such bug: BlockMask index lists with wrong strides gave wrong
-    dK/dV). Only attention is compiled: the rest of the step is plain inductor code, and compiling
-    it too made the check slower on a fresh machine (README: Results). Leaves the RNG and
-    dynamo's graph count as it found them.
-    candidate(config, anchors, keep, doc, S) -> {kind: attend} replaces the compiled flex path
-    (tests on CPU). Returns (output rel err, max gradient rel err, seconds)."""
-    t0 = time.perf_counter()
-    S, N, lens = 512, 24, (150, 230, 132)
-    window = min(config.sliding_window, 100) if SLIDING in config.layer_types else None
-    c = DrafterConfig(num_attention_heads=config.num_attention_heads,
-                      num_key_value_heads=config.num_key_value_heads, head_dim=config.head_dim,
-                      block_size=config.block_size, num_hidden_layers=len(config.windows()),
-                      layer_types=list(config.windows()), sliding_window=window)
-    kinds, Q, KV = list(c.windows()), N * c.block_size, S + N * c.block_size
-    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    devices = [device] if torch.device(device).type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(0)
-        doc = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)).to(device)
-        # positions with a next token in the doc
-        inside = torch.nonzero(doc[1:] == doc[:-1]).view(-1)
-        picked = inside[torch.randperm(len(inside), device=device)[:N - 5]]
-        starts = torch.tensor([0, lens[0], lens[0] + lens[1]], device=device)  # empty contexts
-        anchors = torch.cat([picked, starts, torch.zeros(2, dtype=torch.long, device=device)])
-        anchors[:-2] = anchors[:-2].sort().values
-        # 2 padded slots, as sample_anchors pads
-        keep = torch.arange(N, device=device) < N - 2
-        # per kind: q [1, heads, Q, hd], k and v [1, kv heads, KV, hd], the loss weights of o
-        shapes = [(c.num_attention_heads, Q), (c.num_key_value_heads, KV),
-                  (c.num_key_value_heads, KV), (c.num_attention_heads, Q)]
-        data = {kind: [torch.randn(1, h, n, c.head_dim, device=device) for h, n in shapes]
-                for kind in kinds}
-        # {kind: attend} -> run(qkv) -> {kind: o}
-        apply = lambda attend: lambda qkv: {kind: attend[kind](*qkv[kind]) for kind in kinds}
-        if candidate is None:
-            blocks = block_lists(c, anchors, keep, doc, S)
-            step = torch.compile(
-                lambda qkv, anchors, keep, doc, blocks: apply(row_attention(
-                    c, anchors, keep, doc, S, kernel_options or {}, blocks))(qkv),
-                fullgraph=True, dynamic=False)
-            flex = lambda qkv: step(qkv, anchors, keep, doc, blocks)
-        else:
-            flex = apply(candidate(c, anchors, keep, doc, S))
-        dense = apply(row_attention(c, anchors, keep, doc, S))
-        results = []
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-        try:
-            for run in (dense, flex):
-                qkv = {kind: [t.clone().requires_grad_() for t in data[kind][:3]]
-                       for kind in kinds}
-                out = run(qkv)
-                sum((out[kind] * data[kind][3]).sum() for kind in kinds).backward()
-                results.append([t.detach().double() for kind in kinds
-                                for t in (out[kind], *(x.grad for x in qkv[kind]))])
-        finally:
-            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
-            torch._dynamo.reset()                    # the check's graph is none of the caller's
-            torch._dynamo.utils.counters["stats"]["unique_graphs"] = graphs
-    rel = [((a - b).norm() / b.norm().clamp(min=1e-30)).item() for a, b in zip(*results[::-1])]
-    # per kind: output, dq, dk, dv
-    return max(rel[0::4]), max(r for i, r in enumerate(rel) if i % 4), time.perf_counter() - t0
-
-if __name__ == "__main__":
-    # train.py's start-up self-check, in a second process while train.py starts (loads the data and
-    # the target, autotunes and compiles its own step): python model.py --self-check CONFIG_JSON
-    # DEVICE OUT writes [output rel err, max grad rel err, seconds] of flex_matches_dense to OUT
-    import sys
-    assert sys.argv[1] == "--self-check", "usage: python model.py --self-check CONFIG DEVICE OUT"
-    device = torch.device(sys.argv[3])
-    torch.cuda.set_device(device)
-    result = flex_matches_dense(DrafterConfig(**json.loads(sys.argv[2])), device,
-                                flex_kernel_options(device))
-    with open(sys.argv[4], "w") as f:
-        json.dump(result, f)
+    return loss(drafter, feats, row, anchors=anchors, keep=keep, blocks=blocks, **kw), wanted

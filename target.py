@@ -2,8 +2,23 @@
 The frozen target: the Qwen3.5 / Qwen3.6 hybrid text model (Gated DeltaNet + gated attention),
 read straight from Hugging Face safetensors. fla-core kernels on GPU; the same math in plain torch
 on CPU, so every test runs without a GPU. The reference is transformers'
-models/qwen3_5/modeling_qwen3_5.py (test_smoke.py compares against it). The drafter (model.py)
-borrows the small shared pieces at the top of this file.
+models/qwen3_5/modeling_qwen3_5.py (test_smoke.py compares against it).
+
+The Target interface: what the rest of the trainer calls, so another target (a Llama, say) is
+this file rewritten against it (test_smoke.py trains one):
+  TargetConfig.preset(name) / .from_hf(dir)   ValueError (OSError) naming the field or file; a
+      dataclass (vars() goes into checkpoints) with vocab_size, hidden_size, num_hidden_layers,
+      intermediate_size, num_experts (0: dense), rope_theta, max_position_embeddings,
+      rms_norm_eps, tie_word_embeddings: what train.py and DrafterConfig.from_target read
+  Target.build(config, device, dtype, n_layers, head) (random weights) / .from_pretrained(dir,
+      device, dtype, n_layers, head) (ValueError, KeyError, FileNotFoundError): layers
+      [0, n_layers) only; head=False: no final norm and lm_head
+  .embed_tokens.weight, .lm_head.weight [vocab, H] (the drafter borrows them), .norm (--kd)
+  .features(ids [T], cu_seqlens [n+1] on the CPU, layer_ids) -> [T, len(layer_ids) * H]: the
+      outputs of decoder layers layer_ids (HF hidden_states[i+1]), each packed document alone
+  .features_and_logits(ids, cu_seqlens, layer_ids, at) and .greedy(prompts, new_tokens,
+      temperature, generator): generate.py, the demo data, quality.py
+model.py borrows the small shared pieces at the top of this file (RMSNorm, MLP, RoPE).
 """
 import functools
 import json
@@ -125,22 +140,13 @@ def positions_from_cu(cu_seqlens):
 # -----------------------------------------------------------------------------
 # packed documents on the CPU path: [T, ...] <-> [n_docs, longest, ...]
 
-@functools.lru_cache(maxsize=4)
-def _doc_index(cu, device):
-    # for boundaries cu (a tuple): the source index [n_docs, longest] of each padded slot, and
-    # which are real
-    lens = torch.tensor(cu, device=device).diff()
-    j = torch.arange(int(lens.max()), device=device)
-    valid = j[None, :] < lens[:, None]
-    return (torch.tensor(cu[:-1], device=device)[:, None] + j).masked_fill(~valid, 0), valid
-
-def pad_docs(x, cu_list):
+def pad_docs(x, docs):
     # [T, ...] -> [n_docs, longest, ...], every document zero-padded at its end
-    idx, valid = _doc_index(tuple(cu_list), x.device)
+    idx, valid, _ = docs.pad
     return x[idx] * valid.view(*valid.shape, *[1] * (x.dim() - 1)).to(x.dtype)
 
-def unpad_docs(y, cu_list):
-    return y[_doc_index(tuple(cu_list), y.device)[1]]
+def unpad_docs(y, docs):
+    return y[docs.pad[1]]
 
 # -----------------------------------------------------------------------------
 # Gated DeltaNet core in plain torch (the CPU path, and the reference for the fla kernel)
@@ -199,21 +205,29 @@ def _chunk_indices(cu, device):
 
 class Docs(NamedTuple):
     """The document boundaries of a packed row, as every layer reads them: cu [n+1] long on the
-    row's device, the same as a host list (the CPU path), fla's chunk list (CUDA) and the longest
-    document (flash attention's grid)."""
+    row's device, the same as a host list, fla's chunk list (fla kernels), the longest document
+    (flash attention's grid), and pad: pad_docs' index [n_docs, longest], which of it is real, and
+    each token's document (plain-torch layers), made on the host: a compiled layer never syncs."""
     cu: torch.Tensor
     bounds: list
     chunks: torch.Tensor | None
     longest: int
+    pad: tuple | None = None
 
     @staticmethod
     def of(cu_seqlens, device, kernels=True):
         # cu_seqlens [n+1] long on the CPU. kernels=False on a GPU: the plain-torch layers (they
-        # have a backward; training a target, quality.py)
+        # have a backward; quality.py trains a target with them)
         bounds = cu_seqlens.tolist()
-        chunks = (_chunk_indices(tuple(bounds), device) if device.type == "cuda" and kernels
-                  else None)
-        return Docs(upload(cu_seqlens, device), bounds, chunks, int(np.diff(bounds).max()))
+        cu, lens = np.asarray(bounds), np.diff(bounds)
+        if device.type == "cuda" and kernels:
+            return Docs(upload(cu_seqlens, device), bounds, _chunk_indices(tuple(bounds), device),
+                        int(lens.max()))
+        j = np.arange(lens.max())
+        valid = j[None, :] < lens[:, None]
+        pad = np.where(valid, cu[:-1, None] + j, 0), valid, np.repeat(np.arange(len(lens)), lens)
+        return Docs(upload(cu_seqlens, device), bounds, None, int(lens.max()),
+                    tuple(upload(torch.from_numpy(a), device) for a in pad))
 
 @functools.cache
 def _fla():
@@ -221,107 +235,7 @@ def _fla():
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     from fla.modules.causal_conv1d import causal_conv1d
     from fla.modules.norm.fused_norm_gate import rms_norm_gated
-    compile_configs_at_once(fla_autotuners())
     return chunk_gated_delta_rule, causal_conv1d, rms_norm_gated
-
-def fla_autotuners():
-    """The autotuned Triton kernels of fla, the target's GPU kernels: every Autotuner held at
-    module level by an fla module imported so far (those the functions _fla imports pull in),
-    also behind triton.heuristics (Heuristics -> Autotuner -> JITFunction, each .fn the next)."""
-    import sys
-    from triton.runtime.autotuner import Autotuner
-    from triton.runtime.jit import KernelInterface
-    found = {}
-    for name, module in list(sys.modules.items()):
-        if module is None or name.split(".")[0] != "fla":
-            continue
-        for kernel in list(vars(module).values()):
-            while isinstance(kernel, KernelInterface):
-                if isinstance(kernel, Autotuner):
-                    found[id(kernel)] = kernel
-                kernel = getattr(kernel, "fn", None)
-    return list(found.values())
-
-def compile_configs_at_once(autotuners):
-    """Triton's autotuner compiles each candidate config of a kernel only as it benchmarks it, one
-    after the other, which makes fla's cold start long. For each of these Autotuner instances (not
-    the class: no other kernel in the process changes), a first run with a new key compiles every
-    config first, together on a thread pool (triton's AsyncCompileMode, triton >= 3.4); then the
-    autotuner benchmarks them as before and picks the same way. (A child process forked per config,
-    past the GIL that triton's compiler holds, was slower.) Returns how many it wraps."""
-    from concurrent.futures import ThreadPoolExecutor
-    try:
-        from triton.runtime._async_compile import AsyncCompileMode
-    except ImportError:                   # an older triton: one config after the other
-        return 0
-    pool = ThreadPoolExecutor(min(32, os.cpu_count() or 1))
-
-    def wrap(tuner):
-        run = tuner.run                   # the class's Autotuner.run, bound to this instance
-
-        def run_all_compiled(*args, **kwargs):
-            # the autotuner's own key (triton.runtime.autotuner.Autotuner.run): the key args'
-            # values, then the dtype of every tensor argument
-            named = {k: v for k, v in {**dict(zip(tuner.arg_names, args)), **kwargs}.items()
-                     if k in tuner.arg_names}
-            key = tuple([named[k] for k in tuner.keys if k in named]
-                        + [str(v.dtype) for v in named.values() if hasattr(v, "dtype")])
-            if len(tuner.configs) > 1 and key not in tuner.cache:
-                # a config that fails to compile is left to the benchmark, which rules it out
-                with AsyncCompileMode(pool, ignore_errors=True):
-                    tuner.warmup(*args, **{k: v for k, v in kwargs.items() if k != "warmup"})
-            return run(*args, **kwargs)
-        # an instance attribute: kernel[grid](...) and an outer Heuristics look up .run on the
-        # instance, so they call this; Autotuner.run itself is untouched
-        tuner.run = run_all_compiled
-        tuner.configs_at_once = True
-
-    todo = [t for t in autotuners if not getattr(t, "configs_at_once", False)]
-    for tuner in todo:
-        wrap(tuner)
-    return len(todo)
-
-class FeatureGraphs:
-    """target.features(ids, cu_seqlens, layer_ids) replayed from CUDA graphs. A small target's
-    forward is launch-bound: queueing its kernels through fla's Python wrappers takes the host far
-    longer than the GPU takes to run them; a replay queues them all at once. The kernels' grids
-    depend on a row only through its document count and fla's 64-token chunk count, so there is
-    one graph per such shape; every value (tokens, boundaries, positions, chunk list) is copied
-    into the graph's input buffers before a replay. A shape runs eagerly the first time it comes,
-    captured the second (nothing may sync while capturing: fla's autotuner must have its kernels
-    tuned). Flash attention gets the row length as the longest document: a bigger grid, the same
-    result. The graphs share one memory pool: a replay's output is copied out before the next.
-    Dense targets only (the MoE path syncs on toy sizes)."""
-    def __init__(self, target, layer_ids):
-        self.target, self.layer_ids = target, layer_ids
-        self.graphs, self.seen, self.pool = {}, set(), None
-
-    def __call__(self, ids, cu_seqlens):
-        bounds = cu_seqlens.numpy()
-        chunks = _chunk_list(bounds)
-        key, dev, T = (len(bounds), len(chunks)), ids.device, ids.shape[0]
-        if key not in self.graphs:
-            if key not in self.seen:
-                self.seen.add(key)
-                return self.target.features(ids, cu_seqlens, self.layer_ids)
-            # fresh buffers: fla caches what it derives from cu_seqlens by tensor identity
-            new = lambda *shape: torch.zeros(*shape, dtype=torch.long, device=dev)
-            docs = Docs(new(len(bounds)), None, new(len(chunks), 2), T)
-            inputs = new(T), docs, new(T)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                out = self.target.features(inputs[0], None, self.layer_ids,
-                                           prepared=(docs, inputs[2]))
-            self.pool = graph.pool()
-            self.graphs[key] = graph, inputs, out
-        graph, (ids_in, docs, pos), out = self.graphs[key]
-        # one upload: boundaries, positions, chunk list
-        host = np.concatenate([bounds, positions_from_cu(cu_seqlens).numpy(), chunks.ravel()])
-        host = upload(torch.from_numpy(host), dev).split([len(bounds), T, chunks.size])
-        ids_in.copy_(ids), docs.cu.copy_(host[0]), pos.copy_(host[1])
-        docs.chunks.view(-1).copy_(host[2])
-        graph.replay()
-        return out.clone()
 
 # -----------------------------------------------------------------------------
 # target config and layers
@@ -568,9 +482,9 @@ class GatedAttention(nn.Module):
         else:
             # documents padded into one batch [n_docs, heads, longest, hd]; causal, so no query
             # sees the padding
-            q, k, v = (pad_docs(t, docs.bounds).transpose(1, 2) for t in (q, k, v))
+            q, k, v = (pad_docs(t, docs).transpose(1, 2) for t in (q, k, v))
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            o = unpad_docs(o.transpose(1, 2), docs.bounds)                   # [T, heads, hd]
+            o = unpad_docs(o.transpose(1, 2), docs)                   # [T, heads, hd]
         o = o.reshape(T, self.n_heads * hd)
         return self.o_proj(o * torch.sigmoid(gate.reshape(T, -1)))
 
@@ -623,8 +537,7 @@ class GatedDeltaNet(nn.Module):
             else:
                 # causal depthwise conv that restarts at every document start: zero the taps from
                 # other documents
-                doc = torch.repeat_interleave(torch.arange(len(docs.bounds) - 1, device=x.device),
-                                              torch.tensor(docs.bounds, device=x.device).diff())
+                doc = docs.pad[2]
                 windows = F.pad(qkv, (0, 0, width - 1, 0)).unfold(0, width, 1)  # [T, channels, w]
                 window_doc = F.pad(doc, (width - 1, 0), value=-1).unfold(0, width, 1)  # [T, width]
                 windows = windows * (window_doc == doc[:, None])[:, None, :].to(windows.dtype)
@@ -652,12 +565,12 @@ class GatedDeltaNet(nn.Module):
                 # into the heads
                 n_docs, longest = len(docs.bounds) - 1, docs.longest
                 def fold(t):   # [T, heads, ...] -> [longest, n_docs * heads, ...]
-                    return pad_docs(t, docs.bounds).transpose(0, 1).reshape(
+                    return pad_docs(t, docs).transpose(0, 1).reshape(
                         longest, n_docs * self.n_v, *t.shape[2:])
                 o = torch_chunk_gated_delta_rule(*(fold(t) for t in (q, k, v, g, beta)))
                 # [n_docs, longest, heads, dv]
                 o = o.view(longest, n_docs, self.n_v, self.dv).transpose(0, 1)
-                o = unpad_docs(o, docs.bounds).to(x.dtype)
+                o = unpad_docs(o, docs).to(x.dtype)
             o = (self.norm(o).float() * F.silu(z.float())).to(x.dtype)
         return self.out_proj(o.reshape(T, -1))
 
@@ -773,31 +686,26 @@ def dequantize_fp8(w, scale_inv, block, dtype, what="weight_scale_inv"):
     return W.to(dtype)
 
 class Target(nn.Module):
-    """Frozen hybrid target. Builds only what the caller needs: layers [first, n_layers) (up to the
+    """Frozen hybrid target. Builds only what the caller needs: layers [0, n_layers) (up to the
     last tapped one on a target rank; none on a drafter rank, which borrows embed_tokens and
-    lm_head; K.. on the drafter rank of a pair split at layer K, which starts from the hidden state
-    it receives and so has no embed_tokens) and the final norm and lm_head when head=True (target
-    ranks never need them). Names stay the checkpoint's: the layers below `first` are empty slots
-    of self.layers."""
-    def __init__(self, config, n_layers=None, head=True, first=0):
+    lm_head), and the final norm and lm_head when head=True. Names are the checkpoint's."""
+    def __init__(self, config, n_layers=None, head=True):
         super().__init__()
         c = self.config = config
         self.n_layers = n_layers if n_layers is not None else c.num_hidden_layers
-        self.first = first
-        assert not (first and head), "a target from layer first > 0 has no embedding: head=False"
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size) if first == 0 else None
-        self.layers = nn.ModuleList([TargetLayer(c, c.layer_types[i]) if i >= first else None
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList([TargetLayer(c, c.layer_types[i])
                                      for i in range(self.n_layers)])
-        self.complete = first == 0 and self.n_layers == c.num_hidden_layers
+        self.complete = self.n_layers == c.num_hidden_layers
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, plus_one=True) if head else None
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False) if head else None
         self.requires_grad_(False)
 
     @classmethod
-    def build(cls, config, device="cpu", dtype=torch.float32, n_layers=None, head=True, first=0):
+    def build(cls, config, device="cpu", dtype=torch.float32, n_layers=None, head=True):
         """Random weights (presets, tests): deterministic per tensor name, made tensor by tensor."""
         with torch.device("meta"):
-            model = cls(config, n_layers, head, first)
+            model = cls(config, n_layers, head)
         state = {}
         for name, p in model.named_parameters():
             fp32 = name.endswith(FP32_PARAMS)
@@ -825,8 +733,7 @@ class Target(nn.Module):
         return model
 
     @classmethod
-    def from_pretrained(cls, path, device="cpu", dtype=torch.bfloat16, n_layers=None, head=True,
-                        first=0):
+    def from_pretrained(cls, path, device="cpu", dtype=torch.bfloat16, n_layers=None, head=True):
         """Load an HF Qwen3.5/3.6 checkpoint dir (one model.safetensors, or shards with an index),
         reading only the tensors this rank needs, straight to `device` (the model is built on the
         meta device). Block-FP8 checkpoints (Qwen's -FP8 releases) are dequantized to `dtype` tensor
@@ -847,7 +754,7 @@ class Target(nn.Module):
         multimodal = any(k.startswith("model.language_model.") for k in where)
         prefix = "model.language_model." if multimodal else "model."
         with torch.device("meta"):
-            model = cls(config, n_layers, head, first)
+            model = cls(config, n_layers, head)
         params = dict(model.named_parameters())
         if config.tie_word_embeddings:
             # set to embed_tokens' tensor below: read (and dequantized) once
@@ -922,67 +829,26 @@ class Target(nn.Module):
         model.load_state_dict(state, assign=True)
         return model
 
-    def _run(self, ids, cu_seqlens, stop, h=None, prepared=None):
-        # ids [T] long (device), cu_seqlens [n+1] long on the CPU: boundaries of the packed
-        # documents; or prepared = (Docs, positions [T]) (FeatureGraphs' input buffers).
-        # From the embedding of ids, or from h [T, hidden]: the hidden state entering layer
-        # self.first (a split pair's drafter rank)
-        c = self.config
-        if h is None:
-            assert self.first == 0, f"layers {self.first}.. start from a hidden state: pass h"
-            h = self.embed_tokens(ids)
+    def _run(self, ids, cu_seqlens, stop, prepared=None):
+        # ids [T] long (device), cu_seqlens [n+1] long on the CPU: the packed documents' bounds;
+        # or prepared = (Docs, positions [T]) (speedups.FeatureGraphs' input buffers)
+        c, h = self.config, self.embed_tokens(ids)
         docs, pos = prepared or (Docs.of(cu_seqlens, h.device),
                                  upload(positions_from_cu(cu_seqlens), h.device))
         rope = rope_cos_sin(pos, int(c.head_dim * c.partial_rotary_factor), c.rope_theta,
                             c.rope_scaling, c.max_position_embeddings)
-        for i in range(self.first, stop):
+        for i in range(stop):
             h = self.layers[i](h, rope, docs)
             yield i, h
 
     @torch.inference_mode()
-    def features(self, ids, cu_seqlens, layer_ids, stop=None, h=None, prepared=None):
+    def features(self, ids, cu_seqlens, layer_ids, prepared=None):
         """Concatenated outputs of decoder layers `layer_ids` (HF hidden_states[i+1]) ->
-        [T, len * hidden]. Stops computing after the last requested layer.
-        A pair split at layer K (train.py --split-layer) computes them in two parts: stop=K runs
-        layers 0..K-1 and returns (the taps below K [T, n_below * hidden], the hidden state after
-        layer K-1 [T, hidden]); a Target built from first=K, given that hidden state as h, runs
-        layers K.. and returns the taps from K on. Concatenated, the two parts are the features."""
-        end = stop if stop is not None else max(layer_ids) + 1
-        assert self.first < end <= self.n_layers, (f"layers {self.first}..{end - 1} were not "
-                                                    f"built (n_layers={self.n_layers})")
-        taps = {}
-        for i, out in self._run(ids, cu_seqlens, end, h, prepared):
-            if i in layer_ids:
-                taps[i] = out
-        feats = [taps[i] for i in layer_ids if i in taps]
-        feats = torch.cat(feats, dim=-1) if feats else out.new_empty(out.shape[0], 0)
-        return (feats, out) if stop is not None else feats
-
-    def time_layers(self, ids, cu_seqlens, stop):
-        """Per layer 0..stop-1 on one row (no warm-up: the caller runs one first): milliseconds
-        (CUDA events on GPU, the host clock on CPU; layer 0's include the embedding) and the
-        activation bytes it adds at its peak over what was allocated before it (0 on CPU)."""
-        cuda = ids.is_cuda
-        def mark():
-            if not cuda:
-                return time.perf_counter()
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        def reset():   # the allocator counts at launch: no sync needed
-            if cuda:
-                torch.cuda.reset_peak_memory_stats(ids.device)
-            return torch.cuda.memory_allocated(ids.device) if cuda else 0
-        marks, act, before = [mark()], [], reset()
-        with torch.inference_mode():
-            for _ in self._run(ids, cu_seqlens, stop):
-                marks.append(mark())
-                act.append(torch.cuda.max_memory_allocated(ids.device) - before if cuda else 0)
-                before = reset()
-        if cuda:
-            torch.cuda.synchronize(ids.device)
-        ms = [a.elapsed_time(b) if cuda else (b - a) * 1e3 for a, b in zip(marks, marks[1:])]
-        return ms, act
+        [T, len * hidden]. Stops computing after the last requested layer."""
+        assert max(layer_ids) < self.n_layers, f"layer {max(layer_ids)} was not built"
+        taps = {i: h for i, h in self._run(ids, cu_seqlens, max(layer_ids) + 1, prepared)
+                if i in layer_ids}
+        return torch.cat([taps[i] for i in layer_ids], dim=-1)
 
     def logits(self, ids, cu_seqlens, at=None):
         """Next-token logits [T, vocab], or only at the positions `at` (generation needs each
@@ -1047,46 +913,3 @@ class Target(nn.Module):
         dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
         gdn = (n_layers - n_full) * T * c.linear_num_value_heads * dk * (10 * dv + 4 * 64)
         return 2 * linear * T + attn + gdn
-
-# -----------------------------------------------------------------------------
-# splitting a pair's target across its two GPUs (train.py --split-layer)
-
-def choose_split(layer_ms, drafter_ms, layer_bytes=None, fixed_bytes=None, capacity=None,
-                 force=None):
-    """Where to cut the target of each pair: K = 0 moves nothing; K in 1..L-1 runs layers K..L-1 on
-    the drafter GPU. layer_ms [pairs, L]: each pair's measured ms of target layers 0..L-1 (L-1: the
-    last tapped layer); drafter_ms [pairs]: each pair's drafter step. The predicted step of K is
-    the slowest pair's max(layers 0..K-1, layers K..L-1 + drafter step): the pairs wait for each
-    other in the gradient all-reduce (the extra hidden state's transfer overlaps compute: not
-    counted). Memory, when capacity [pairs] is given: a drafter GPU holds fixed_bytes [pairs]
-    (its measured step and what the split adds besides weights) + layer_bytes [L] of the moved
-    layers. Picks the fastest K that fits (force: that K, which must fit); of equal steps, the
-    fewest moved layers. Returns a dict: K, fastest (ignoring memory), and per K: step, target,
-    drafter (ms [L, pairs]), need (bytes [L, pairs]) and fits."""
-    drafter_ms = np.asarray(drafter_ms, dtype=np.float64)
-    P = len(drafter_ms)
-    layer_ms = np.asarray(layer_ms, dtype=np.float64).reshape(P, -1)
-    L = layer_ms.shape[1]
-    done = np.concatenate([np.zeros((P, 1)), layer_ms.cumsum(1)], 1).T   # [L+1, P]: layers 0..K-1
-    target = np.concatenate([done[L:], done[1:L]])          # [L, P]; K = 0: every layer
-    drafter = drafter_ms + np.concatenate([np.zeros((1, P)), done[L] - done[1:L]])
-    step = np.maximum(target, drafter).max(1)               # [L]: the slowest pair
-    w = np.zeros(L) if layer_bytes is None else np.asarray(layer_bytes, dtype=np.float64)
-    moved = np.cumsum(w[::-1])[::-1]                        # [L]: weights of layers K..L-1
-    fixed = np.broadcast_to(np.asarray(fixed_bytes if fixed_bytes is not None else 0.0), (P,))
-    need = moved[:, None] + fixed                           # [L, P]
-    need[0] = 0                                             # nothing moved, nothing added
-    cap = None if capacity is None else np.broadcast_to(np.asarray(capacity), (P,))
-    fits = np.ones(L, bool) if cap is None else (need <= cap).all(1)
-    order = [0, *range(L - 1, 0, -1)]                       # ties: the fewest moved layers
-    fastest = min(order, key=lambda K: step[K])
-    if force is not None and not fits[force]:
-        p = int(np.argmax(need[force] - cap))
-        raise ValueError(f"layers {force}..{L - 1} on the drafter GPU do not fit: "
-                         f"{moved[force] / 2**30:.1f} GiB of weights + {fixed[p] / 2**30:.1f} GiB "
-                         f"of the drafter's step and the split's activations = "
-                         f"{need[force, p] / 2**30:.1f} GiB > {cap[p] / 2**30:.1f} GiB usable; "
-                         "choose a larger K")
-    K = force if force is not None else min((K for K in order if fits[K]), key=lambda K: step[K])
-    return dict(K=K, fastest=fastest, step=step, target=target, drafter=drafter, need=need,
-                fits=fits)

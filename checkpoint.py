@@ -1,0 +1,131 @@
+"""
+The run directory (train.py --out) and its checkpoints: one run at a time (OUT/lock), no finished
+run replaced by accident, atomic saves (OUT/ckpt.pt and the z-lab export OUT/drafter/), and
+--resume exactly where the run stopped, or refused in one line that names what changed.
+"""
+import errno
+import fcntl
+import glob
+import os
+import shutil
+import sys
+
+import torch
+from safetensors import SafetensorError
+
+def claim(out, resume, overwrite, log=print):
+    """OUT for this process: its lock (held for the process's life: the OS drops it when the
+    process dies), --overwrite's deletions, and what a stopped run left half-written removed.
+    Returns the checkpoint's path."""
+    ckpt_path = os.path.join(out, "ckpt.pt")
+    try:
+        os.makedirs(out, exist_ok=True)
+        claim.lock = lock = open(os.path.join(out, "lock"), "a+")
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        sys.exit(f"error: --out {out} is in use: pid {lock.read().strip() or '?'} holds "
+                 f"{lock.name}; wait for that run to end, or pick another --out")
+    except OSError as e:    # a file system without locks (Lustre without -o flock): unguarded
+        if e.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP):
+            sys.exit(f"error: --out {out}: {e}")
+    lock.truncate(0), lock.write(f"{os.getpid()}\n"), lock.flush()
+    if overwrite:
+        for p in (ckpt_path, os.path.join(out, "log.jsonl")):
+            if os.path.exists(p):
+                os.remove(p)
+        shutil.rmtree(os.path.join(out, "drafter"), ignore_errors=True)
+    elif not resume and os.path.exists(ckpt_path):
+        sys.exit(f"error: --out {out} holds a run ({ckpt_path}); continue it with --resume, "
+                 "start over with --overwrite, or pick another --out")
+    # what a stopped run was writing (ours: .tmp-PID; safetensors' own: .tmpXXXXXX)
+    stale = [p for pattern in ("ckpt.pt.tmp-*", os.path.join("drafter", ".tmp*"))
+             for p in glob.glob(os.path.join(glob.escape(out), pattern))]
+    for p in stale:
+        os.remove(p)
+    if stale:
+        log(f"removed {len(stale)} file(s) a stopped run left half-written: {' '.join(stale)}")
+    return ckpt_path
+
+def save(out, step, drafter, state):
+    """The z-lab export, then ckpt.pt ({"drafter": weights, "step": step, **state}), each
+    replaced atomically. The export first: a run stopped between the two leaves an export at least
+    as new as the checkpoint, and --resume redoes both. A failed write (a full disk) stops the
+    run in one line naming the file, and leaves no half-written file."""
+    ckpt_path = os.path.join(out, "ckpt.pt")
+    tmp, where = ckpt_path + f".tmp-{os.getpid()}", os.path.join(out, "drafter")
+    try:
+        drafter.save_pretrained(where, step=step)
+        where = tmp
+        # through a Python file: a failed write carries its errno (torch.save(path) says only
+        # "unexpected pos")
+        with open(tmp, "wb") as f:
+            torch.save(dict(drafter=drafter.state_dict(), step=step, **state), f)
+        os.replace(tmp, ckpt_path)      # atomic: a crash mid-write keeps the previous checkpoint
+    except (OSError, RuntimeError, SafetensorError) as e:
+        err = e.__context__ if isinstance(e, RuntimeError) else e
+        if not isinstance(err, (OSError, SafetensorError)):
+            raise
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        sys.exit(f"error: --out {out}: cannot write {where} (step {step}): {err}; free space "
+                 f"or fix permissions, then continue with --resume --out {out}")
+
+def identity(args, pairs, data_meta, row_anchors, dcfg, tcfg):
+    """What defines a run, saved with its checkpoints: a different value would train another
+    drafter or other rows (rows are dealt to pairs), so --resume refuses it. Anything else may
+    change and is reported (a new --max-steps: the lr schedule of the new length, from here on)."""
+    run = {"pairs": pairs, "--data": {k: data_meta.get(k) for k in
+                                      ("n_samples", "n_tokens", "n_supervised", "vocab_size")},
+           "--seed": args.seed, "--budget": args.budget, "--anchors": args.anchors,
+           "--row-anchors": row_anchors, "--block-size": args.block_size, "--gamma": args.gamma,
+           "--drafter-layers": dcfg.num_hidden_layers, "--n-feat": len(dcfg.target_layer_ids),
+           "--sliding-window": max(dcfg.windows().values()),
+           "--mask-token-id": dcfg.mask_token_id, "drafter config": vars(dcfg),
+           "target config": vars(tcfg)}
+    if args.loss != "dflash":      # (absent from dflash runs: their older checkpoints still resume)
+        run.update({"--loss": args.loss, "--dpace-alpha": args.dpace_alpha})
+    if args.kd:
+        run["--kd"] = args.kd
+    return run
+
+def load(ckpt_path, run, device, max_steps, drafter, opt, args, world):
+    """--resume: loads the drafter and optimizer state of the checkpoint, if it was saved by this
+    run: every key of `run` (identity()) equal, its step within max_steps. Else one line naming
+    the key, both values and the way on. Returns (the step, {flag or "processes": [then, now]} of
+    what changed)."""
+    unreadable = (f"error: {ckpt_path} is not a readable checkpoint of this run; delete it to "
+                  "start over, or point --out at the right run")
+    if not os.path.exists(ckpt_path):
+        sys.exit(f"error: --resume but {ckpt_path} does not exist")
+    try:
+        ckpt = torch.load(ckpt_path, map_location=device, weights_only=False)
+        was, step = ckpt["run"], ckpt["step"]
+    except Exception as e:
+        sys.exit(f"{unreadable} ({type(e).__name__}: {e})")
+    for key, now in run.items():
+        then = was.get(key)
+        why = f"{key} {now} differs from the checkpoint's {then}; resume with {key} {then}"
+        if key == "pairs":
+            why = (f"{now} pair(s) differ from the checkpoint's {then}: rows are dealt to pairs; "
+                   f"resume with {then} pair(s)")
+        elif isinstance(now, dict):
+            why = (f"the {key} differs from the checkpoint's: " + ", ".join(
+                f"{k} {v} (checkpoint: {(then or {}).get(k)})" for k, v in now.items()
+                if v != (then or {}).get(k)) + "; resume with the flags of its start record in "
+                f"{os.path.dirname(ckpt_path)}/log.jsonl")
+        if now != then:
+            sys.exit(f"error: --resume: {why}, or start a new --out")
+    if max_steps < step:
+        sys.exit(f"error: --resume: the checkpoint is at step {step}, past this run's "
+                 f"{max_steps} steps; raise --max-steps (or --epochs), or start a new --out")
+    try:
+        drafter.load_state_dict(ckpt["drafter"])
+        opt.load_state_dict(ckpt["optimizer"])
+    except Exception as e:
+        sys.exit(f"{unreadable} ({type(e).__name__}: {e})")
+    changed = {f"--{k.replace('_', '-')}": [v, args.get(k)] for k, v in ckpt["args"].items()
+               if k not in ("resume", "overwrite") and v != args.get(k)}
+    if ckpt["processes"] != world:     # the same pairs: the same rows and anchors
+        changed["processes"] = [ckpt["processes"], world]
+    return step, changed
