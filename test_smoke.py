@@ -47,9 +47,10 @@ import prepare
 import regenerate
 from data import DataError, Packer, open_dataset, write_dataset
 from model import (FULL, SLIDING, Drafter, DrafterConfig, anchor_blocks, anchor_mask_mod, block_lists,
-                   config_from_json, default_target_layer_ids, drafter_rope, flex_matches_dense, row_attention,
+                   config_from_json, default_target_layer_ids, drafter_rope, row_attention,
                    sample_anchors)
-from target import (MOE_FIELDS, Docs, MoE, Target, TargetConfig, _chunk_indices, choose_split, dequantize_fp8,
+from checks import flex_matches_dense
+from target import (MOE_FIELDS, Docs, MoE, Target, TargetConfig, _chunk_indices, dequantize_fp8,
                     expert_linear, positions_from_cu, rope_cos_sin, rope_inv_freq, torch_chunk_gated_delta_rule)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -481,60 +482,6 @@ def test_partial_builds(small_ckpts, layout):
     assert torch.equal(head.embed_tokens.weight, full.embed_tokens.weight)
     assert torch.equal(head.lm_head.weight, full.lm_head.weight)
     assert not torch.equal(head.lm_head.weight, head.embed_tokens.weight)
-
-
-def test_split_features_bitwise(small_ckpts):
-    """A pair split at layer K (train.py --split-layer): the target rank's layers 0..K-1 give the taps below K
-    and the hidden state after layer K-1; the drafter rank's layers K..last, loaded alone, complete the taps
-    from it. Concatenated: the unsplit features, bit for bit (fp32), at K = 1 (no tap below), a middle K and
-    K = the last tapped layer."""
-    c = small_ckpts
-    path, taps = str(c["root"] / "official"), [1, 3, 4]
-    full = Target.from_pretrained(path, dtype=torch.float32, n_layers=5, head=False)
-    ref = full.features(c["ids"], c["cu"], taps)
-    for K in (1, 2, 4):
-        below, hidden = full.features(c["ids"], c["cu"], taps, stop=K)
-        assert below.shape == (90, 64 * sum(t < K for t in taps)) and hidden.shape == (90, 64)
-        top = Target.from_pretrained(path, dtype=torch.float32, n_layers=5, head=False, first=K)
-        # only its layers were read, under the checkpoint's names; no embedding, norm or head
-        assert {n.split(".")[1] for n in top.state_dict()} == {str(i) for i in range(K, 5)}
-        assert all(n.startswith("layers.") for n in top.state_dict())
-        assert len(top.layers) == 5 and top.layers[K - 1] is None
-        got = torch.cat([below, top.features(None, c["cu"], taps, h=hidden)], dim=-1)
-        assert torch.equal(got, ref), K
-        # a random preset builds the same tensors whatever range it builds
-        part = Target.build(c["cfg"], n_layers=5, head=False, first=K).state_dict()
-        whole = Target.build(c["cfg"], n_layers=5, head=False).state_dict()
-        assert all(torch.equal(v, whole[n]) for n, v in part.items())
-    with pytest.raises(AssertionError):
-        top.features(c["ids"], c["cu"], taps)           # layers 4.. have no embedding: h is needed
-    ms, act = full.time_layers(c["ids"], c["cu"], 5)
-    assert len(ms) == len(act) == 5 and all(m > 0 for m in ms) and act == [0] * 5
-
-
-def test_choose_split():
-    """train.py's choice of K from measured times, worked by hand: K = 0 moves nothing, K moves layers
-    K..L-1 to the drafter GPU; predicted step = the slowest pair's max(target, moved layers + drafter)."""
-    ten = [10.0] * 10                        # 10 layers of 10 ms: the target alone takes 100 ms
-    c = choose_split([ten], [40.0])          # target-bound: 70 ms each side at K = 7
-    assert c["K"] == 7 and c["step"][7] == 70 and c["step"][0] == 100
-    assert (c["target"][7, 0], c["drafter"][7, 0]) == (70, 70)
-    assert choose_split([ten], [120.0])["K"] == 0                  # drafter-bound: nothing moves
-    c = choose_split([ten], [50.0])          # K = 7 and K = 8 both predict 80 ms: the fewer moved wins
-    assert c["step"][7] == c["step"][8] == 80 and c["K"] == 8
-    # two pairs, the second target 20% slower: its layers set the step (K = 7: 84 ms; K = 6: 88; K = 8: 96)
-    c = choose_split([ten, [12.0] * 10], [40.0, 40.0])
-    assert c["K"] == 7 and c["step"][7] == 84
-    # memory: 1 GiB per layer, 5 GiB held by the drafter's step; 7 GiB usable: at most 2 layers move
-    gib = 2**30
-    mem = dict(layer_bytes=[gib] * 10, fixed_bytes=[5 * gib], capacity=[7 * gib])
-    c = choose_split([ten], [40.0], **mem)
-    assert (c["K"], c["fastest"], c["need"][8, 0], c["step"][8]) == (8, 7, 7 * gib, 80)
-    assert not c["fits"][7] and c["fits"][0]
-    assert choose_split([ten], [40.0], **mem, force=9)["K"] == 9
-    with pytest.raises(ValueError, match=r"layers 7\.\.9 on the drafter GPU do not fit: 3\.0 GiB of weights "
-                                         r"\+ 5\.0 GiB .* = 8\.0 GiB > 7\.0 GiB usable; choose a larger K"):
-        choose_split([ten], [40.0], **mem, force=7)
 
 
 def test_tied_embeddings_text_only(tmp_path):
@@ -1228,8 +1175,8 @@ def test_compiled_step_holds_one_chunk_of_logits():
                      ("compiled", torch.compile(model.drafter_loss, fullgraph=True, dynamic=False))):
         def step():
             torch.manual_seed(1)                      # the same anchors
-            out, _ = model.drafter_step(d, feats, row, N, N, t.embed_tokens.weight, t.lm_head.weight, loss=fn,
-                                  kd=(0.5, t.norm))
+            out, _ = model.drafter_step(d, feats, row, per_doc=N, capacity=N, embed=t.embed_tokens.weight,
+                                        head=t.lm_head.weight, loss=fn, kd=(0.5, t.norm))
             out["loss"].backward()
             return out["loss"].item()
         step()                                        # compiles
