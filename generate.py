@@ -33,15 +33,9 @@ def _forward(target, ids, layer_ids, at):
     cu = torch.tensor([0, len(ids)])
     return target.features_and_logits(ids, cu, layer_ids, at=torch.tensor(at, device=ids.device))
 
-def _finish(new, max_new, eos):
-    # the committed tokens up to max_new, cut after the first end-of-sequence token
-    new = new[:max_new].tolist()
-    return next((new[:i + 1] for i, t in enumerate(new) if t in eos), new)
-
 def speculative(target, drafter, prompt, max_new, eos=()):
-    """Greedy speculative decoding of `prompt` [P] with the drafter's serving forward
-    (Drafter.propose) -> (new tokens, acc+1 per cycle, target forwards). It is speculative sampling
-    with every distribution one-hot on its argmax: a proposal is accepted iff the target agrees."""
+    """Greedy speculative decoding of `prompt` [P] with Drafter.propose (the serving forward) ->
+    (new tokens, acc+1 per cycle, target forwards): speculative sampling, distributions one-hot."""
     c, embed, head = drafter.config, target.embed_tokens.weight, target.lm_head.weight
 
     def draft(feats, tokens, doc, pos, anchors):      # one prompt: anchors = [its last position]
@@ -69,15 +63,14 @@ def _packed(seqs):
             positions_from_cu(cu).to(dev))
 
 def speculative_sampling(target, draft, prompts, max_new, temperature, generator, B, taps, eos=()):
-    """Speculative decoding of many prompts at once. A cycle: draft() proposes B-1 tokens per
-    prompt from [last committed token, mask x (B-1)] and the target features of every position
-    before that token; one target forward over each prompt + its proposals verifies them as SGLang
-    and vLLM do (Leviathan et al., arXiv:2211.17192): x_i ~ q_i is accepted with probability
-    min(1, p_i(x_i) / q_i(x_i)), p_i the target's softmax(logits / T) after slot i (T = 0: one-hot
-    on the argmax); the first rejected slot takes a token drawn from max(p_i - q_i, 0), a block
-    accepted whole the target's own next token: each output follows the target's sampling
-    distribution exactly. No KV cache: every forward re-runs the whole sequences (short and
-    obviously right). Returns (new tokens, acc+1 per cycle) per prompt."""
+    """Speculative decoding of many prompts at once, verified as SGLang and vLLM verify (Leviathan
+    et al., arXiv:2211.17192). A cycle: draft() proposes B-1 tokens per prompt from [last committed
+    token, mask x (B-1)] and the target features before that token; one target forward over every
+    prompt + its proposals gives p_i, the target's softmax(logits / T) after slot i (T = 0: one-hot
+    on the argmax); x_i ~ q_i is accepted with probability min(1, p_i(x_i) / q_i(x_i)), the first
+    rejected slot redrawn from max(p_i - q_i, 0), a block accepted whole followed by a draw from
+    p_B: each output follows the target's sampling distribution exactly. No KV cache: every forward
+    re-runs the whole sequences. Returns (new tokens, acc+1 per cycle) per prompt."""
     dev, k = prompts[0].device, torch.arange(B, device=prompts[0].device)
     sample = lambda p: torch.multinomial(p, 1, generator=generator)[:, 0]
     probs = lambda logits: ((logits / temperature).softmax(-1) if temperature
@@ -102,8 +95,8 @@ def speculative_sampling(target, draft, prompts, max_new, temperature, generator
         u = torch.rand(x.shape, generator=generator, device=dev)
         px, qx = p[:, :-1].gather(-1, x[..., None])[..., 0], q.gather(-1, x[..., None])[..., 0]
         acc = (u * qx < px).long().cumprod(1).sum(1)               # u < p/q, without dividing by 0
-        rest = (p - F.pad(q, (0, 0, 0, 1)))[torch.arange(len(live), device=dev), acc]  # q = 0 past
-        bonus = sample(rest.clamp(min=0))             # the last slot; multinomial renormalises
+        rest = (p - F.pad(q, (0, 0, 0, 1)))[torch.arange(len(live), device=dev), acc]  # q: 0 at B
+        bonus = sample(rest.clamp(min=0))                 # max(p - q, 0); multinomial renormalises
         ended = set()      # one copy to the host per cycle, not a sync per prompt
         for i, (j, c, xs, b) in enumerate(zip(live, acc.tolist(), x.tolist(), bonus.tolist())):
             seqs[j] = torch.cat([seqs[j], x[i, :c], bonus[i:i + 1]])
@@ -112,7 +105,9 @@ def speculative_sampling(target, draft, prompts, max_new, temperature, generator
             if len(seqs[j]) - len(prompts[j]) >= max_new or any(t in eos for t in xs[:c] + [b]):
                 ended.add(j)
         live = [j for j in live if j not in ended]
-    return [_finish(s[len(p):], max_new, eos) for s, p in zip(seqs, prompts)], cycles
+    # the committed tokens up to max_new, cut after the first end-of-sequence token
+    news = [s[len(p):len(p) + max_new].tolist() for s, p in zip(seqs, prompts)]
+    return [next((n[:i + 1] for i, t in enumerate(n) if t in eos), n) for n in news], cycles
 
 def greedy(target, prompt, max_new, eos=()):
     """Plain greedy decoding, one full-sequence target forward per token. Returns the new tokens."""
@@ -140,8 +135,7 @@ def divergence(target, prompt, spec, ref):
 
 @torch.inference_mode()
 def evaluate(target, drafter, prompts, max_new, eos=(), log=print):
-    """Both decodes on every prompt, a line per prompt and a summary through `log` -> the totals
-    and tau_summary's dict."""
+    """Both decodes on every prompt: a line per prompt, a summary through `log`, the totals."""
     cycles, fwd, n_ref, same = [], 0, 0, 0
     for i, prompt in enumerate(prompts):
         spec, acc, f = speculative(target, drafter, prompt, max_new, eos)
@@ -159,8 +153,7 @@ def evaluate(target, drafter, prompts, max_new, eos=(), log=print):
 
 @torch.inference_mode()
 def show_block(target, drafter, prompt, path, log=print):
-    """The first drafted block of `prompt` as text, beside the target's own greedy tokens there
-    (tokenizer.json of checkpoint dir `path`, read by the tokenizers package)."""
+    """The first drafted block of `prompt` as text (`path`/tokenizer.json) beside the target's."""
     try:
         from tokenizers import Tokenizer
     except ImportError:
@@ -185,8 +178,7 @@ def propose_at(drafter, feats, tokens, doc, pos, anchors, embed, head, argmax=Tr
     tokens/doc/pos [S], anchors [N] ascending -> proposals [N, B-1] (argmax=False: logits)."""
     c, k = drafter.config, torch.arange(drafter.config.block_size, device=tokens.device)
     block = torch.where(k == 0, tokens[anchors][:, None], c.mask_token_id)  # [N, B]: anchor, masks
-    keep = torch.ones_like(anchors, dtype=torch.bool)
-    attend = row_attention(c, anchors, keep, doc, len(tokens))
+    attend = row_attention(c, anchors, torch.ones_like(anchors, dtype=torch.bool), doc, len(tokens))
     h = drafter.hidden(feats, pos, F.embedding(block.view(-1), embed),
                        (pos[anchors][:, None] + k).view(-1), attend)
     logits = (h.view(len(anchors), c.block_size, -1)[:, 1:] @ head.t()).float()
@@ -195,8 +187,8 @@ def propose_at(drafter, feats, tokens, doc, pos, anchors, embed, head, argmax=Tr
 @torch.inference_mode()
 def replay(target, drafter, seqs, prompt_lens, max_new, eos=(), batch=64):
     """speculative()'s acc+1 per cycle per prompt, without decoding: its output is the greedy
-    continuation, so one target forward over prompt j (prompt_lens[j] ids of seqs[j]) + >= max_new
-    + B - 1 ids of its continuation (past any eos: the last cycle may accept beyond it) gives every
+    continuation, so one target forward over prompt j (prompt_lens[j] ids of seqs[j]) and >= max_new
+    + B - 1 ids of its continuation (past any eos: a last cycle may accept beyond it) gives every
     context feature and verifying argmax. Also returns how many continuation tokens differ from
     the forward's argmax (0 unless the decode and the forward round differently)."""
     B, taps = drafter.config.block_size, drafter.config.target_layer_ids
@@ -257,8 +249,7 @@ def hist_line(hist):
 
 @torch.inference_mode()
 def sampled_tau(target, drafter, prompts, max_new, temperature, seed, eos=()):
-    """tau_summary of speculative sampling at `temperature` on `prompts` (on the target's
-    device), the drafter's proposals from drafter_sampler, seeded."""
+    """tau_summary of speculative sampling at `temperature`, drafter_sampler's proposals, seeded."""
     c, g = drafter.config, torch.Generator(prompts[0].device).manual_seed(seed)
     draft = drafter_sampler(drafter, target.embed_tokens.weight, target.lm_head.weight,
                             temperature, g)
@@ -309,9 +300,8 @@ def dataset_prompts(data_dir, n):
     return list(itertools.islice((s[:p] for s, p in _samples(val) if p), n))
 
 def chat_prompts(path, tokenizer, n, kwargs=None):
-    """The first n JSONL prompts as the serving engine feeds them to the target: rendered by the
-    checkpoint's chat template with add_generation_prompt=True and the same template kwargs, a
-    final assistant message (a reference answer) dropped (prepare.Chat.prompt). Raises DataError."""
+    """The first n JSONL prompts as the serving engine renders them (prepare.Chat.prompt: the chat
+    template, add_generation_prompt=True, a final assistant message dropped). Raises DataError."""
     chat, prompts = Chat(tokenizer, kwargs, cmd="generate.py --prompts"), []
     with open(path) as f:
         for lineno, line in itertools.islice(((i, s) for i, s in enumerate(f, 1) if s.strip()), n):
@@ -322,8 +312,7 @@ def chat_prompts(path, tokenizer, n, kwargs=None):
     return prompts
 
 def hf_eos(path):
-    # a checkpoint's eos ids: generation_config.json, else config.json (or its text_config); none
-    # for a preset
+    # eos ids: generation_config.json, else config.json (or its text_config); a preset has none
     for file in (os.path.join(path, n) for n in ("generation_config.json", "config.json")):
         cfg = json.load(open(file)) if os.path.exists(file) else {}
         eos = cfg.get("eos_token_id", cfg.get("text_config", {}).get("eos_token_id"))
@@ -365,10 +354,9 @@ def main(argv=None):
     try:
         tcfg = (TargetConfig.from_hf(args.target) if os.path.isdir(args.target)
                 else TargetConfig.preset(args.target))
-        if args.drafter == "random":      # train.py's default geometry, initialised on the device
+        if args.drafter == "random":      # train.py's default geometry, seeded
             torch.manual_seed(args.seed)
-            with torch.device(device):
-                drafter = Drafter(DrafterConfig.from_target(tcfg)).to(dtype=dtype)
+            drafter = Drafter(DrafterConfig.from_target(tcfg)).to(device, dtype)
         elif not os.path.exists(os.path.join(args.drafter, "config.json")):
             sys.exit(f"error: --drafter {args.drafter}: no config.json there; pass train.py's "
                      "OUT/drafter")
@@ -378,7 +366,8 @@ def main(argv=None):
         misfit = [m for bad, m in [
             ((c.hidden_size, c.vocab_size) != (tcfg.hidden_size, V), f"hidden size "
              f"{c.hidden_size}, vocab {c.vocab_size}; the target's {tcfg.hidden_size}, {V}"),
-            (max(c.target_layer_ids) >= L, f"target_layer_ids {c.target_layer_ids} past its {L}"),
+            (max(c.target_layer_ids) >= L,
+             f"target_layer_ids {c.target_layer_ids} past the target's {L} layers"),
             (not 0 <= c.mask_token_id < V, f"mask_token_id {c.mask_token_id} outside the vocab")]
             if bad]
         if misfit:
@@ -387,11 +376,12 @@ def main(argv=None):
         prompts = (chat_prompts(args.prompts, args.tokenizer, args.num_prompts,
                                 args.chat_template_kwargs) if args.prompts
                    else dataset_prompts(args.data or demo_of(args.target)[0], args.num_prompts))
+        if not prompts:
+            sys.exit("error: no prompts (empty --prompts file or val split)")
         bad = [i for i, p in enumerate(prompts) if int(p.max()) >= V]
-        if not prompts or bad:
+        if bad:
             sys.exit(f"error: prompt {bad[0]} has token ids past the target's vocab ({V}): wrong "
-                     "tokenizer or dataset for this target" if prompts
-                     else "error: no prompts (empty --prompts file or val split)")
+                     "tokenizer or dataset for this target")
         target = load_target(args.target, device, dtype)
     except (ValueError, KeyError, OSError) as e:       # DataError is a ValueError
         sys.exit(f"error: {e}")
