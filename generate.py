@@ -1,34 +1,19 @@
 """
-Greedy speculative decoding with the target and an exported DFlash drafter, run the way a serving
+Greedy speculative decoding with the target and an exported DFlash drafter, the way a serving
 engine runs it (z-lab/dflash's dflash_generate loop), beside plain greedy decoding of the same
-target: the real acceptance length tau, and a check that both decodes give the same tokens.
+target: the real acceptance length tau (accepted + 1 per cycle, as SGLang and z-lab's benchmark
+print it), and a check that both decodes give the same tokens.
 
-  # demo: tiny target, demo held-out prompts
-  python generate.py --drafter out/drafter --max-new-tokens 48
-  python generate.py --target demo --drafter out/drafter       # the demo target trained on code
+  python generate.py --drafter out/drafter --max-new-tokens 48   # tiny target, demo prompts
+  python generate.py --target demo --drafter out/drafter          # the demo target trained on code
   python generate.py --target /ckpt/Qwen3.6-27B --drafter out/drafter --prompts gsm8k.jsonl \\
-      --tokenizer /ckpt/Qwen3.6-27B --chat-template-kwargs '{"enable_thinking": false}' \\
-      --max-new-tokens 512
-  # GPU cost
-  python generate.py --target qwen3.6-27b --drafter random --random-prompts 2 --prompt-len 1024
-
-One cycle: the drafter proposes B-1 tokens from [last committed token, mask x (B-1)], its context
-being the target features of every position before that token; the target verifies the block in
-one forward; the longest prefix of proposals equal to the target's argmax is accepted, plus the
-target's own next token (the bonus).
-tau = mean over cycles of (accepted + 1), the accept length SGLang and z-lab's benchmark print.
-Prompts: the val split of --data (the tokens before each sample's first supervised one), or
---prompts JSONL (messages, ShareGPT conversations or {"prompt": str}; a final assistant message
-is dropped) rendered by --tokenizer's chat template as the engine renders them, or random ids.
---eos defaults to the checkpoint's generation_config.json, else config.json; none for a preset.
---replay gives the same tau without decoding (replay() below): hundreds of prompts in seconds.
-No KV cache: every target forward re-runs the whole sequence (prefix + block), and the greedy
-decode does the same per token. Short and obviously right; the cost per forward grows with the
-context (numbers in README).
+      --tokenizer /ckpt/Qwen3.6-27B --chat-template-kwargs '{"enable_thinking": false}'
 """
 import argparse
+import itertools
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -41,243 +26,188 @@ from data import ArgParser, Bad, DataError, demo_of, kwargs_arg, load_line, numb
 from prepare import Chat
 
 # -----------------------------------------------------------------------------
-# the two decodes (one prompt at a time, ids on the target's device)
+# the decodes
 
 def _forward(target, ids, layer_ids, at):
     # one target forward over the whole sequence: features [T, n_feat*H], logits [len(at), vocab]
     cu = torch.tensor([0, len(ids)])
     return target.features_and_logits(ids, cu, layer_ids, at=torch.tensor(at, device=ids.device))
 
-def _finish(new, max_new, eos):
-    # the committed tokens up to max_new, cut after the first end-of-sequence token
-    new = new[:max_new].tolist()
-    stop = [i for i, t in enumerate(new) if t in eos]
-    return new[:stop[0] + 1] if stop else new
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
 def speculative(target, drafter, prompt, max_new, eos=()):
-    """Greedy speculative decoding of `prompt` [P]. Returns (new tokens, acc+1 per cycle, target
-    forwards). Cycle k starts at anchor a = the position of the last committed token; the
-    drafter's context is the target features of positions < a (the anchor's own hidden state does
-    not exist before its forward)."""
-    B, taps, dev = drafter.config.block_size, drafter.config.target_layer_ids, prompt.device
-    embed, head = target.embed_tokens.weight, target.lm_head.weight
-    P = len(prompt)
-    # prefill: the first token and the context
-    ctx, logits = _forward(target, prompt, taps, [P - 1])
-    seq = torch.cat([prompt, logits.argmax(-1)])
-    accepted = []
-    while len(seq) - P < max_new and not any(t in eos for t in seq[P:].tolist()):
-        a = len(seq) - 1  # anchor: the last committed token
-        # draft [B-1]: the proposals for the block's mask slots
-        draft, _ = drafter.propose(ctx, torch.arange(a, device=dev), seq[a], a, embed, head)
-        feats, logits = _forward(target, torch.cat([seq, draft]), taps, list(range(a, a + B)))
-        posterior = logits.argmax(-1)  # [B]: the target's next token after each block slot
-        # leading proposals the target agrees with
-        acc = int((draft == posterior[:-1]).cumprod(0).sum())
-        seq = torch.cat([seq, draft[:acc], posterior[acc:acc + 1]])
-        ctx = torch.cat([ctx, feats[a:a + acc + 1]])  # the anchor and the accepted proposals
-        accepted.append(acc + 1)
-    return _finish(seq[P:], max_new, eos), accepted, 1 + len(accepted)
+    """Greedy speculative decoding of `prompt` [P] with Drafter.propose (the serving forward) ->
+    (new tokens, acc+1 per cycle, target forwards): speculative sampling, distributions one-hot."""
+    c, embed, head = drafter.config, target.embed_tokens.weight, target.lm_head.weight
+
+    def draft(feats, tokens, doc, pos, anchors):      # one prompt: anchors = [its last position]
+        a = int(anchors[0])
+        x = drafter.propose(feats[:a], pos[:a], tokens[a], a, embed, head)[0][None]
+        return x, F.one_hot(x, len(head)).float()
+    (new,), (cycles,) = speculative_sampling(target, draft, [prompt], max_new, 0, None,
+                                             c.block_size, c.target_layer_ids, eos)
+    return new, cycles, 1 + len(cycles)
 
 def drafter_sampler(drafter, embed, head, temperature, generator):
     """draft(feats, tokens, doc, pos, anchors) -> (B-1 proposals per anchor [n, B-1], their
-    distributions [n, B-1, vocab]): each block slot sampled from the drafter's own
-    softmax(logits / temperature), every slot of every anchor from one forward (propose_at)."""
+    distributions [n, B-1, vocab]), sampled from the drafter's softmax(logits / temperature)."""
     def draft(feats, tokens, doc, pos, anchors):
         logits = propose_at(drafter, feats, tokens, doc, pos, anchors, embed, head, argmax=False)
         q = (logits / temperature).softmax(-1)
-        x = torch.multinomial(q.flatten(0, 1), 1, generator=generator)[:, 0]
-        return x.view(q.shape[:2]), q
+        return torch.multinomial(q.flatten(0, 1), 1, generator=generator).view(q.shape[:2]), q
     return draft
 
 def _packed(seqs):
     # sequences as the documents of one row: ids, cu_seqlens (CPU), doc and pos (on the device)
-    lens = torch.tensor([len(s) for s in seqs])
+    lens, dev = torch.tensor([len(s) for s in seqs]), seqs[0].device
     cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
-    dev = seqs[0].device
     return (torch.cat(seqs), cu, torch.repeat_interleave(torch.arange(len(seqs)), lens).to(dev),
             positions_from_cu(cu).to(dev))
 
 def speculative_sampling(target, draft, prompts, max_new, temperature, generator, B, taps, eos=()):
-    """speculative() at temperature > 0, verified as SGLang and vLLM verify (Leviathan et al.,
-    arXiv:2211.17192), for many prompts at once: per cycle one draft call for every live prompt's
-    anchor and one target forward over each prompt + its proposals, packed as the documents of one
-    row. Proposal x_i (draft: drafter_sampler) is accepted with probability min(1, p_i(x_i) /
-    q_i(x_i)), p_i the target's softmax(logits / temperature) after slot i; the first rejected slot
-    takes a token drawn from max(p_i - q_i, 0) renormalised, a block accepted whole the target's
-    own next token. Each output follows the target's sampling distribution exactly. Returns (new
-    tokens per prompt, acc+1 per cycle per prompt)."""
-    n, dev = len(prompts), prompts[0].device
+    """Speculative decoding of many prompts at once, verified as SGLang and vLLM verify (Leviathan
+    et al., arXiv:2211.17192). A cycle: draft() proposes B-1 tokens per prompt from [last committed
+    token, mask x (B-1)] and the target features before that token; one target forward over every
+    prompt + its proposals gives p_i, the target's softmax(logits / T) after slot i (T = 0: one-hot
+    on the argmax); x_i ~ q_i is accepted with probability min(1, p_i(x_i) / q_i(x_i)), the first
+    rejected slot redrawn from max(p_i - q_i, 0), a block accepted whole followed by a draw from
+    p_B: each output follows the target's sampling distribution exactly. No KV cache: every forward
+    re-runs the whole sequences. Returns (new tokens, acc+1 per cycle) per prompt."""
+    dev, k = prompts[0].device, torch.arange(B, device=prompts[0].device)
     sample = lambda p: torch.multinomial(p, 1, generator=generator)[:, 0]
+    probs = lambda logits: ((logits / temperature).softmax(-1) if temperature
+                            else F.one_hot(logits.argmax(-1), logits.shape[-1]).float())
     ids, cu, _, _ = _packed(prompts)
     feats, logits = target.features_and_logits(ids, cu, taps, at=(cu[1:] - 1).to(dev))
-    first = sample((logits / temperature).softmax(-1))
+    first = sample(probs(logits))
     seqs = [torch.cat([p, first[j:j + 1]]) for j, p in enumerate(prompts)]
     # features of each prompt's committed positions but its last (the anchor: none yet)
-    ctx = [feats[cu[j]:cu[j + 1]] for j in range(n)]
-    cycles = [[] for _ in prompts]
+    ctx, cycles = [feats[cu[j]:cu[j + 1]] for j in range(len(prompts))], [[] for _ in prompts]
     live = [j for j, t in enumerate(first.tolist()) if t not in eos and max_new > 1]
-    k = torch.arange(B, device=dev)
     while live:
-        # the drafter: each live sequence a document, the anchor's feature row a placeholder
+        # one draft call for every live anchor (a placeholder feature row there), one target
+        # forward over every prompt + its proposals, packed as the documents of one row
         ids, cu, doc, pos = _packed([seqs[j] for j in live])
         f = torch.cat([torch.cat([ctx[j], ctx[j].new_zeros(1, ctx[j].shape[1])]) for j in live])
-        a = (cu[1:] - 1).to(dev)                                   # anchors, in the packed row
-        x, q = draft(f, ids, doc, pos, a)                          # [m, B-1], [m, B-1, V]
+        x, q = draft(f, ids, doc, pos, (cu[1:] - 1).to(dev))      # [m, B-1], [m, B-1, V]
         ids, cu, _, _ = _packed([torch.cat([seqs[j], x[i]]) for i, j in enumerate(live)])
         at = (cu[:-1].to(dev) + torch.tensor([len(seqs[j]) - 1 for j in live], device=dev))
         feats, logits = target.features_and_logits(ids, cu, taps, at=(at[:, None] + k).view(-1))
-        p = (logits / temperature).softmax(-1).view(len(live), B, -1)          # [m, B, V]
+        p = probs(logits).view(len(live), B, -1)                               # [m, B, V]
         u = torch.rand(x.shape, generator=generator, device=dev)
         px, qx = p[:, :-1].gather(-1, x[..., None])[..., 0], q.gather(-1, x[..., None])[..., 0]
         acc = (u * qx < px).long().cumprod(1).sum(1)               # u < p/q, without dividing by 0
-        m = torch.arange(len(live), device=dev)
-        q0 = torch.cat([q, torch.zeros_like(q[:, :1])], 1)         # no q after the last slot
-        rest = (p[m, acc] - q0[m, acc]).clamp(min=0)
-        bonus = sample(rest / rest.sum(-1, keepdim=True))
-        still = []
+        rest = (p - F.pad(q, (0, 0, 0, 1)))[torch.arange(len(live), device=dev), acc]  # q: 0 at B
+        bonus = sample(rest.clamp(min=0))                 # max(p - q, 0); multinomial renormalises
+        ended = set()      # one copy to the host per cycle, not a sync per prompt
         for i, (j, c, xs, b) in enumerate(zip(live, acc.tolist(), x.tolist(), bonus.tolist())):
             seqs[j] = torch.cat([seqs[j], x[i, :c], bonus[i:i + 1]])
             ctx[j] = feats[int(cu[i]):int(cu[i]) + len(seqs[j]) - 1]
             cycles[j].append(c + 1)
-            if len(seqs[j]) - len(prompts[j]) < max_new and not any(t in eos for t in xs[:c] + [b]):
-                still.append(j)
-        live = still
-    return [_finish(s[len(p):], max_new, eos) for s, p in zip(seqs, prompts)], cycles
+            if len(seqs[j]) - len(prompts[j]) >= max_new or any(t in eos for t in xs[:c] + [b]):
+                ended.add(j)
+        live = [j for j in live if j not in ended]
+    # the committed tokens up to max_new, cut after the first end-of-sequence token
+    news = [s[len(p):len(p) + max_new].tolist() for s, p in zip(seqs, prompts)]
+    return [next((n[:i + 1] for i, t in enumerate(n) if t in eos), n) for n in news], cycles
 
 def greedy(target, prompt, max_new, eos=()):
     """Plain greedy decoding, one full-sequence target forward per token. Returns the new tokens."""
     seq = prompt
     for _ in range(max_new):
-        nxt = _forward(target, seq, (), [len(seq) - 1])[1].argmax(-1)
-        seq = torch.cat([seq, nxt])
-        if int(nxt) in eos:
+        seq = torch.cat([seq, _forward(target, seq, (), [len(seq) - 1])[1].argmax(-1)])
+        if int(seq[-1]) in eos:
             break
     return seq[len(prompt):].tolist()
 
 def divergence(target, prompt, spec, ref):
-    """None if the two decodes agree; else a line naming the first differing new token and saying
-    whether the target's own top-2 logits there (recomputed on the common prefix) are close enough
-    for rounding to flip."""
+    """None if the two decodes agree; else a line naming the first differing new token and whether
+    the target's own top-2 logits there are close enough for rounding to flip."""
     i = next((i for i, (s, r) in enumerate(zip(spec, ref)) if s != r), min(len(spec), len(ref)))
     if i == len(spec) == len(ref):
         return None
     ids = torch.cat([prompt, prompt.new_tensor(ref[:i])])
-    top2 = _forward(target, ids, (), [len(ids) - 1])[1][0].topk(2).values
-    gap = float(top2[0] - top2[1])
-    bf16 = target.embed_tokens.weight.dtype == torch.bfloat16
-    near = gap <= (2 ** -7 if bf16 else 1e-4) * abs(float(top2[0]))  # bf16 keeps 8 significant bits
-    why = ("a near-tie: a forward over the block and one over the prefix round differently" if near
-           else "NOT a near-tie: a bug")
+    top, second = _forward(target, ids, (), [len(ids) - 1])[1][0].topk(2).values.tolist()
+    bf16 = target.embed_tokens.weight.dtype == torch.bfloat16   # bf16 keeps 8 significant bits
+    near = top - second <= (2 ** -7 if bf16 else 1e-4) * abs(top)
     s, r = (x[i] if i < len(x) else "end" for x in (spec, ref))
-    return (f"DIVERGES at new token {i}: spec {s} vs greedy {r}, "
-            f"target's top-2 logit gap there {gap:.3g} ({why})")
+    return (f"DIVERGES at new token {i}: spec {s} vs greedy {r}, target's top-2 logit gap there "
+            f"{top - second:.3g} (" + ("a near-tie: forwards over other lengths round differently)"
+                                       if near else "NOT a near-tie: a bug)"))
 
 @torch.inference_mode()
 def evaluate(target, drafter, prompts, max_new, eos=(), log=print):
-    """Both decodes on every prompt; one line per prompt and a summary through `log`.
-    Returns the totals."""
-    dev = target.embed_tokens.weight.device
-    B = drafter.config.block_size
-    # warm-up, untimed: autotuning, first kernel launches
-    speculative(target, drafter, prompts[0], 2 * B, eos)
-    hist = [0] * (B + 1)                   # hist[k]: cycles that committed k tokens (accepted + 1)
-    tot = dict(spec_new=0, greedy_new=0, spec_fwd=0, spec_s=0.0, greedy_s=0.0, identical=0)
-    for n, prompt in enumerate(prompts):
-        _sync(dev)
-        t0 = time.perf_counter()
-        spec, accepted, spec_fwd = speculative(target, drafter, prompt, max_new, eos)
-        _sync(dev)
-        t1 = time.perf_counter()
+    """Both decodes on every prompt: a line per prompt, a summary through `log`, the totals."""
+    cycles, fwd, n_ref, same = [], 0, 0, 0
+    for i, prompt in enumerate(prompts):
+        spec, acc, f = speculative(target, drafter, prompt, max_new, eos)
         ref = greedy(target, prompt, max_new, eos)       # one target forward per token
-        _sync(dev)
-        t2 = time.perf_counter()
-        for x in accepted:
-            hist[x] += 1
         diff = divergence(target, prompt, spec, ref)
-        for key, value in (("spec_new", len(spec)), ("greedy_new", len(ref)),
-                           ("spec_fwd", spec_fwd), ("spec_s", t1 - t0), ("greedy_s", t2 - t1),
-                           ("identical", diff is None)):
-            tot[key] += value
-        tau = sum(accepted) / max(len(accepted), 1)
-        log(f"prompt {n}: {len(prompt)} tokens -> {len(spec)} new | "
-            f"tau {tau:.2f} over {len(accepted)} cycles | "
-            f"target forwards spec {spec_fwd} greedy {len(ref)} | "
-            f"tok/s spec {len(spec) / (t1 - t0):.1f} greedy {len(ref) / (t2 - t1):.1f} | "
-            f"{diff or 'identical to greedy'}")
-    cycles = sum(hist)
-    res = dict(tau=sum(k * c for k, c in enumerate(hist)) / max(cycles, 1), hist=hist[1:],
-               prompts=len(prompts), identical=tot["identical"], new_tokens=tot["spec_new"],
-               spec_forwards=tot["spec_fwd"], greedy_forwards=tot["greedy_new"],
-               spec_tok_s=tot["spec_new"] / tot["spec_s"],
-               greedy_tok_s=tot["greedy_new"] / tot["greedy_s"],
-               spec_ms_per_forward=1e3 * tot["spec_s"] / tot["spec_fwd"],
-               greedy_ms_per_forward=1e3 * tot["greedy_s"] / max(tot["greedy_new"], 1))
-    log(f"total: tau {res['tau']:.3f} (mean accepted+1 over {cycles} cycles of block {B}) | "
-        f"{tot['spec_new']} new tokens | "
-        f"target forwards spec {tot['spec_fwd']} greedy {tot['greedy_new']} | "
-        f"tok/s spec {res['spec_tok_s']:.1f} greedy {res['greedy_tok_s']:.1f} "
-        f"(x{res['spec_tok_s'] / res['greedy_tok_s']:.2f}) | "
-        f"ms per target forward: spec {res['spec_ms_per_forward']:.1f} (drafting included) "
-        f"greedy {res['greedy_ms_per_forward']:.1f}")
-    log("accepted+1 per cycle, count of cycles: "
-        + " ".join(f"{k}:{c}" for k, c in enumerate(hist) if k))
-    log(f"speculative == greedy on {tot['identical']}/{len(prompts)} prompts")
-    return res
+        cycles, fwd, n_ref, same = cycles + [acc], fwd + f, n_ref + len(ref), same + (not diff)
+        log(f"prompt {i}: {len(prompt)} tokens -> {len(spec)} new | tau "
+            f"{sum(acc) / max(len(acc), 1):.2f} over {len(acc)} cycles | target forwards spec {f} "
+            f"greedy {len(ref)} | {diff or 'identical to greedy'}")
+    r = dict(tau_summary(cycles, drafter.config.block_size), identical=same, spec_forwards=fwd,
+             greedy_forwards=n_ref)
+    log(f"total: tau {tau_text(r)} | target forwards spec {fwd} greedy {n_ref}\n"
+        f"{hist_line(r['hist'])}\nspeculative == greedy on {same}/{len(prompts)} prompts")
+    return r
+
+@torch.inference_mode()
+def show_block(target, drafter, prompt, path, log=print):
+    """The first drafted block of `prompt` as text (`path`/tokenizer.json) beside the target's."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        return log("(pip install tokenizers to see a drafted block as text)")
+    tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+    B, P = drafter.config.block_size, len(prompt)
+    want = greedy(target, prompt, B)         # the prefill's token (the anchor), then the block's
+    ctx = _forward(target, prompt, drafter.config.target_layer_ids, [P - 1])[0]
+    draft, _ = drafter.propose(ctx, torch.arange(P, device=prompt.device), prompt.new_tensor(
+        want[0]), P, target.embed_tokens.weight, target.lm_head.weight)
+    acc = int((draft.cpu() == torch.tensor(want[1:])).cumprod(0).sum())
+    log(f"prompt 0 ends {tok.decode(prompt[-24:].tolist())!r}, the target adds "
+        f"{tok.decode(want[:1])!r}\n  drafted block: {tok.decode(draft.tolist())!r}\n"
+        f"  the target's:  {tok.decode(want[1:])!r} ({acc} of {B - 1} accepted)")
 
 # -----------------------------------------------------------------------------
 # tau by replay: no decoding
 
 def propose_at(drafter, feats, tokens, doc, pos, anchors, embed, head, argmax=True):
-    """Drafter.propose for N anchors of one packed row at once: block j = [tokens[anchors[j]],
-    mask x (B-1)], its context the features of its document before the anchor (the training mask,
-    dense). feats [S, n_feat*H], tokens/doc/pos [S], anchors [N] ascending -> proposals [N, B-1]
-    (argmax=False: their logits [N, B-1, vocab])."""
-    c, N, S = drafter.config, anchors.shape[0], tokens.shape[0]
-    k = torch.arange(c.block_size, device=tokens.device)
-    block = torch.full((N, c.block_size), c.mask_token_id, dtype=torch.long, device=tokens.device)
-    block[:, 0] = tokens[anchors]
-    keep = torch.ones(N, dtype=torch.bool, device=tokens.device)
-    attend = row_attention(c, anchors, keep, doc, S)
+    """Drafter.propose for N anchors of one packed row at once, each block's context the features
+    of its document before its anchor (the training mask, dense): feats [S, n_feat*H],
+    tokens/doc/pos [S], anchors [N] ascending -> proposals [N, B-1] (argmax=False: logits)."""
+    c, k = drafter.config, torch.arange(drafter.config.block_size, device=tokens.device)
+    block = torch.where(k == 0, tokens[anchors][:, None], c.mask_token_id)  # [N, B]: anchor, masks
+    attend = row_attention(c, anchors, torch.ones_like(anchors, dtype=torch.bool), doc, len(tokens))
     h = drafter.hidden(feats, pos, F.embedding(block.view(-1), embed),
                        (pos[anchors][:, None] + k).view(-1), attend)
-    logits = (h.view(N, c.block_size, -1)[:, 1:] @ head.t()).float()
+    logits = (h.view(len(anchors), c.block_size, -1)[:, 1:] @ head.t()).float()
     return logits.argmax(-1) if argmax else logits
 
 @torch.inference_mode()
 def replay(target, drafter, seqs, prompt_lens, max_new, eos=(), batch=64):
-    """The accepted lengths speculative() would give, without decoding. Its output is the greedy
-    continuation (evaluate checks it), so where each cycle starts is fixed by that continuation
-    and the drafter: one target forward over prompt + continuation gives every context feature and
-    every verification argmax, and the drafter proposes once per cycle for all prompts of a batch.
-    seqs: 1-D id tensors, prompt j (prompt_lens[j] tokens) and its greedy continuation of at least
-    max_new + B - 1 tokens, past any end-of-sequence token (the last cycle may accept proposals
-    beyond max_new or eos, as speculative() does). Returns (acc+1 per cycle for each prompt,
-    positions where the continuation differs from the forward's argmax: 0 unless rounding
-    differs between the decode and the forward)."""
+    """speculative()'s acc+1 per cycle per prompt, without decoding: its output is the greedy
+    continuation, so one target forward over prompt j (prompt_lens[j] ids of seqs[j]) and >= max_new
+    + B - 1 ids of its continuation (past any eos: a last cycle may accept beyond it) gives every
+    context feature and verifying argmax. Also returns how many continuation tokens differ from
+    the forward's argmax (0 unless the decode and the forward round differently)."""
     B, taps = drafter.config.block_size, drafter.config.target_layer_ids
     embed, head = target.embed_tokens.weight, target.lm_head.weight
-    dev, out, differ = embed.device, [], 0
-    eos_t = torch.tensor(sorted(eos) or [-1], device=dev)
+    dev, out, differ, k = embed.device, [], 0, torch.arange(B, device=embed.device)
+    eos_t, need = torch.tensor(sorted(eos) or [-1], device=dev), max_new + B - 1
     for s in range(0, len(seqs), batch):
         chunk, P = seqs[s:s + batch], torch.tensor(prompt_lens[s:s + batch])
         row, cu, doc, pos = _packed([x.to(dev) for x in chunk])
-        lens = cu.diff()
-        short = (lens < P + max_new + B - 1).nonzero()
-        assert not len(short), (f"replay: sequence {s + int(short[0])} has {int(lens[short[0]])} "
-                                f"tokens, needs prompt + {max_new + B - 1}")
+        short = [j for j, (x, p) in enumerate(zip(chunk, P.tolist())) if len(x) < p + need]
+        assert not short, (f"replay: sequence {s + short[0]} has {len(chunk[short[0]])} tokens, "
+                           f"needs prompt + {need}")
         feats, logits = target.features_and_logits(row, cu, taps)
         post = logits.argmax(-1)                 # [S]: the target's next token after each position
         new = (pos >= P.to(dev)[doc]) & (pos > 0)
         differ += int(((row[1:] != post[:-1]) & new[1:]).sum())
-        a = (cu[:-1] + P).to(dev)                # each prompt's anchor: the prefill's token
-        n_new = torch.ones(len(chunk), dtype=torch.long, device=dev)
-        done = torch.isin(post[a - 1], eos_t) | (n_new >= max_new)
-        cycles, k = [[] for _ in chunk], torch.arange(B, device=dev)
+        a0 = (cu[:-1] + P).to(dev)               # each prompt's first anchor: the prefill's token
+        a, done = a0.clone(), torch.isin(post[a0 - 1], eos_t) | (max_new <= 1)
+        cycles = [[] for _ in chunk]
         while not bool(done.all()):
             live = (~done).nonzero()[:, 0]
             at = a[live]
@@ -286,34 +216,25 @@ def replay(target, drafter, seqs, prompt_lens, max_new, eos=(), batch=64):
             acc = (draft == want[:, :-1]).long().cumprod(1).sum(1)
             # committed this cycle: want[:, :acc+1] (the accepted proposals and the bonus)
             hit = torch.isin(want, eos_t) & (k <= acc[:, None])
-            a[live], n_new[live] = at + acc + 1, n_new[live] + acc + 1
-            done[live] = hit.any(1) | (n_new[live] >= max_new)
+            a[live] = at + acc + 1
+            done[live] = hit.any(1) | (a[live] - a0[live] + 1 >= max_new)      # tokens committed
             for j, x in zip(live.tolist(), (acc + 1).tolist()):
                 cycles[j].append(x)
         out += cycles
     return out, differ
 
 def tau_summary(cycles, block_size):
-    """tau = committed tokens / cycles over all prompts (the loop's total), with a 95% CI over
-    prompts: the ratio estimator's, 1.96 * sqrt(sum_j (y_j - tau x_j)^2 / (n (n-1))) / mean(x) for
-    prompt j's y_j tokens in x_j cycles; the mean over prompts of each one's own tau, with its CI
-    (1.96 standard errors); the histogram of acc+1 (1..block_size)."""
+    """tau = committed tokens / cycles over all prompts (the loop's total), with the ratio
+    estimator's 95% CI over prompts, 1.96 * sqrt(sum_j (y_j - tau x_j)^2 / (n (n-1))) / mean(x) for
+    prompt j's y_j tokens in x_j cycles; the mean of per-prompt tau with its CI; the histogram."""
     cycles = [c for c in cycles if c]
     n, x, y = len(cycles), [len(c) for c in cycles], [sum(c) for c in cycles]
-    tau = sum(y) / max(sum(x), 1)
-    per = [b / a for a, b in zip(x, y)]
-    mean = sum(per) / max(n, 1)
-    ci = ci_mean = 0.0
-    if n > 1:
-        ci = 1.96 * (sum((b - tau * a) ** 2 for a, b in zip(x, y)) / (n * (n - 1))) ** 0.5 / (
-            sum(x) / n)
-        ci_mean = 1.96 * (sum((t - mean) ** 2 for t in per) / (n - 1) / n) ** 0.5
-    hist = [0] * block_size
-    for c in cycles:
-        for k in c:
-            hist[k - 1] += 1
-    return dict(tau=tau, tau_ci=ci, tau_mean=mean, tau_mean_ci=ci_mean, prompts=n,
-                cycles=sum(x), hist=hist)
+    tau, per = sum(y) / max(sum(x), 1), [b / a for a, b in zip(x, y)]
+    # 1.96 standard errors of a mean (the residuals y_j - tau x_j sum to 0)
+    ci = lambda v: 1.96 * statistics.stdev(v) / n ** 0.5 if n > 1 else 0.0
+    return dict(tau=tau, tau_ci=ci([b - tau * a for a, b in zip(x, y)]) / (sum(x) / max(n, 1)),
+                tau_mean=sum(per) / max(n, 1), tau_mean_ci=ci(per), prompts=n, cycles=sum(x),
+                hist=[sum(c.count(k) for c in cycles) for k in range(1, block_size + 1)])
 
 def tau_text(r):
     # tau_summary's dict as the commands print it, after "tau "
@@ -321,44 +242,38 @@ def tau_text(r):
             f"cycles; 95% CI over {r['prompts']} prompts) | mean of per-prompt tau "
             f"{r['tau_mean']:.3f} +- {r['tau_mean_ci']:.3f}")
 
-@torch.inference_mode()
-def sampled_tau(target, drafter, prompts, max_new, temperature, seed, eos=()):
-    """tau_summary of speculative sampling at `temperature` on `prompts` (on the target's
-    device), the drafter's proposals from drafter_sampler, seeded."""
-    c, g = drafter.config, torch.Generator(prompts[0].device).manual_seed(seed)
-    draft = drafter_sampler(drafter, target.embed_tokens.weight, target.lm_head.weight,
-                            temperature, g)
-    cycles = speculative_sampling(target, draft, prompts, max_new, temperature, g, c.block_size,
-                                  c.target_layer_ids, eos)[1]
-    return tau_summary(cycles, c.block_size)
-
-def load_target(path, device, dtype):
-    """A checkpoint dir, or a preset's random weights."""
-    if os.path.isdir(path):
-        return Target.from_pretrained(path, device=device, dtype=dtype)
-    return Target.build(TargetConfig.preset(path), device=device, dtype=dtype)
-
 def hist_line(hist):
     # hist[k-1]: cycles that committed k tokens
     return "accepted+1 per cycle, count of cycles: " + " ".join(
         f"{k}:{n}" for k, n in enumerate(hist, 1) if n)
 
+@torch.inference_mode()
+def sampled_tau(target, drafter, prompts, max_new, temperature, seed, eos=()):
+    """tau_summary of speculative sampling at `temperature`, drafter_sampler's proposals, seeded."""
+    c, g = drafter.config, torch.Generator(prompts[0].device).manual_seed(seed)
+    draft = drafter_sampler(drafter, target.embed_tokens.weight, target.lm_head.weight,
+                            temperature, g)
+    return tau_summary(speculative_sampling(target, draft, prompts, max_new, temperature, g,
+                                            c.block_size, c.target_layer_ids, eos)[1], c.block_size)
+
+def load_target(path, device, dtype):
+    # a checkpoint dir, or a preset's random weights
+    return (Target.from_pretrained(path, device=device, dtype=dtype) if os.path.isdir(path)
+            else Target.build(TargetConfig.preset(path), device=device, dtype=dtype))
+
+def _device(device=None):
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return device, torch.bfloat16 if device.type == "cuda" else torch.float32
+
 def replay_dataset(target_path, drafter_path, data_dir, max_new, n=None, device=None,
                    temperature=0.0, seed=0):
     """tau by replay on a dataset of prompts (loss mask 0) each followed by its greedy continuation
     (mask 1, >= max_new + B - 1 tokens past any eos), as quality.py writes them: tau_summary's
-    dict, plus `differ`. temperature > 0: sampled_tau's dict from the same prompts (the
-    continuations unused), seeded."""
-    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dict, plus `differ`. temperature > 0: sampled_tau's dict from the same prompts, seeded."""
+    device, dtype = _device(device)
     target = load_target(target_path, device, dtype)
     drafter = Drafter.from_pretrained(drafter_path, device=device, dtype=dtype)
-    ds = open_dataset(data_dir)
-    seqs, lens = [], []
-    for i in range(min(n or len(ds), len(ds))):
-        tokens, mask = ds.sample(i)
-        seqs.append(torch.from_numpy(tokens.astype("int64")))
-        lens.append(int(mask.argmax()))
+    seqs, lens = zip(*_samples(data_dir, n))
     eos = set(hf_eos(target_path))
     if temperature:
         return sampled_tau(target, drafter, [s[:p].to(device) for s, p in zip(seqs, lens)],
@@ -366,204 +281,130 @@ def replay_dataset(target_path, drafter_path, data_dir, max_new, n=None, device=
     cycles, differ = replay(target, drafter, seqs, lens, max_new, eos)
     return dict(tau_summary(cycles, drafter.config.block_size), differ=differ)
 
-@torch.inference_mode()
-def show_block(target, drafter, prompt, path, log=print):
-    """The first drafted block of `prompt` as text, beside the target's own greedy tokens there
-    (tokenizer.json of checkpoint dir `path`, read by the tokenizers package)."""
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        return log("(pip install tokenizers to see a drafted block as text)")
-    tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
-    B, taps = drafter.config.block_size, drafter.config.target_layer_ids
-    ctx, logits = _forward(target, prompt, taps, [len(prompt) - 1])
-    seq = torch.cat([prompt, logits.argmax(-1)])
-    a = len(seq) - 1
-    draft, _ = drafter.propose(ctx, torch.arange(a, device=seq.device), seq[a], a,
-                               target.embed_tokens.weight, target.lm_head.weight)
-    want = greedy(target, seq, B - 1)
-    acc = int((draft.cpu() == torch.tensor(want)).cumprod(0).sum())
-    log(f"prompt 0 ends {tok.decode(prompt[-24:].tolist())!r}, the target adds "
-        f"{tok.decode([int(seq[a])])!r}")
-    log(f"  drafted block: {tok.decode(draft.tolist())!r}")
-    log(f"  the target's:  {tok.decode(want)!r} ({acc} of {B - 1} accepted)")
-
 # -----------------------------------------------------------------------------
 # prompts
 
-def dataset_prompts(data_dir, n, log=print):
-    """The prompts (tokens before the first supervised one) of the first n samples of DATA/val."""
+def _samples(path, n=None):
+    # (ids, the index of the first supervised token) of a dataset's first n samples
+    ds = open_dataset(path)
+    return ((torch.from_numpy(t.astype("int64")), int(m.argmax()))
+            for t, m in map(ds.sample, range(min(n or len(ds), len(ds)))))
+
+def dataset_prompts(data_dir, n):
+    """The prompts (tokens before the first supervised one) of the first n samples of DATA/val,
+    skipping samples supervised from their first token (no prompt). Raises DataError."""
     val = os.path.join(data_dir, "val")
     if not os.path.exists(os.path.join(val, "meta.json")):
-        raise SystemExit(f"error: --data {data_dir} has no val/ split; "
-                         "prepare it with `prepare.py --val N` "
-                         "or pass --prompts chats.jsonl --tokenizer DIR")
-    ds, prompts = open_dataset(val), []
-    for i in range(len(ds)):
-        if len(prompts) == n:
-            break
-        tokens, mask = ds.sample(i)
-        first = int(mask.argmax())           # the first supervised token (every sample has one)
-        if first == 0:
-            log(f"{val} sample {i}: supervised from its first token, so it has no prompt; skipped")
-            continue
-        prompts.append(torch.from_numpy(tokens[:first].astype("int64")))
-    return prompts
+        raise DataError(f"--data {data_dir} has no val/ split; prepare it with `prepare.py --val "
+                        "N` or pass --prompts chats.jsonl --tokenizer DIR")
+    return list(itertools.islice((s[:p] for s, p in _samples(val) if p), n))
 
 def chat_prompts(path, tokenizer, n, kwargs=None):
-    """The first n JSONL prompts (messages, ShareGPT conversations or a prompt string, as
-    prepare.py reads them) as the serving engine feeds them to the target: rendered by the
-    checkpoint's chat template with add_generation_prompt=True and the same template kwargs, a
-    final assistant message (a reference answer) dropped (prepare.Chat.prompt). Raises DataError."""
+    """The first n JSONL prompts as the serving engine renders them (prepare.Chat.prompt: the chat
+    template, add_generation_prompt=True, a final assistant message dropped). Raises DataError."""
     chat, prompts = Chat(tokenizer, kwargs, cmd="generate.py --prompts"), []
     with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if len(prompts) == n:
-                break
+        for lineno, line in itertools.islice(((i, s) for i, s in enumerate(f, 1) if s.strip()), n):
             try:
-                if line.strip():
-                    prompts.append(torch.from_numpy(chat.prompt(load_line(line))))
+                prompts.append(torch.from_numpy(chat.prompt(load_line(line))))
             except Bad as e:
                 raise DataError(f"{path}:{lineno}: {e.args[0]}: {e.args[1]}")
     return prompts
 
 def hf_eos(path):
-    # a checkpoint's eos ids: generation_config.json, else config.json (or its text_config); none
-    # for a preset
-    for name in ("generation_config.json", "config.json"):
-        file = os.path.join(path, name)
-        if os.path.exists(file):
-            with open(file) as f:
-                cfg = json.load(f)
-            eos = cfg.get("eos_token_id", cfg.get("text_config", {}).get("eos_token_id"))
-            if eos is not None:
-                return [eos] if isinstance(eos, int) else list(eos)
+    # eos ids: generation_config.json, else config.json (or its text_config); a preset has none
+    for file in (os.path.join(path, n) for n in ("generation_config.json", "config.json")):
+        cfg = json.load(open(file)) if os.path.exists(file) else {}
+        eos = cfg.get("eos_token_id", cfg.get("text_config", {}).get("eos_token_id"))
+        if eos is not None:
+            return [eos] if isinstance(eos, int) else list(eos)
     return []
 
 # -----------------------------------------------------------------------------
 
 def main(argv=None):
     ap = ArgParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default="tiny",
-                    help="Qwen3.5/3.6 checkpoint dir, or a preset (random weights): tiny, "
-                    "qwen3.6-27b, qwen3.5-35b-a3b, qwen3.6-35b-a3b")
-    ap.add_argument("--drafter", required=True,
-                    help="train.py's OUT/drafter, or `random`: untrained, the default geometry")
-    ap.add_argument("--data", default=None,
-                    help="prepared dataset dir: prompts from DATA/val; default ./data/demo")
-    ap.add_argument("--prompts", default=None,
-                    help="JSONL of chats instead, rendered as the engine does; needs --tokenizer")
-    ap.add_argument("--tokenizer", default=None,
-                    help="checkpoint dir whose chat template and tokenizer.json render --prompts")
-    ap.add_argument("--chat-template-kwargs", type=kwargs_arg, default={},
-                    help="JSON object of template variables for --prompts: those you serve with")
-    ap.add_argument("--random-prompts", type=number(int, 0), default=0,
-                    help="instead: this many prompts of uniform random ids (cost measurements)")
-    ap.add_argument("--prompt-len", type=number(int, 1), default=1024,
-                    help="tokens per random prompt")
-    ap.add_argument("--num-prompts", type=number(int, 1), default=8,
-                    help="prompts taken from --data or --prompts")
-    ap.add_argument("--max-new-tokens", type=number(int, 1), default=256,
-                    help="tokens generated per prompt (both decodes)")
-    ap.add_argument("--eos", default=None,
-                    help="comma-separated end-of-sequence ids; default: the checkpoint's")
-    ap.add_argument("--seed", type=number(int, 0), default=0,
-                    help="seed of --random-prompts and of --drafter random")
-    ap.add_argument("--temperature", type=number(float, 0), default=0.0,
-                    help="0: greedy; > 0: speculative sampling at this temperature (tau only)")
-    ap.add_argument("--replay", action="store_true",
-                    help="tau by replay (one greedy decode, one forward; the same tau, faster)")
+    arg = ap.add_argument
+    arg("--target", default="tiny", help="Qwen3.5/3.6 checkpoint dir, or a preset (random "
+        "weights): tiny, qwen3.6-27b, qwen3.5-35b-a3b, qwen3.6-35b-a3b")
+    arg("--drafter", required=True, help="train.py's OUT/drafter, or `random` (untrained)")
+    arg("--data", help="prepared dataset dir: prompts from DATA/val; default ./data/demo")
+    arg("--prompts", help="JSONL of chats instead (messages, ShareGPT conversations or "
+        "{\"prompt\": str}; a final assistant message dropped), rendered as the engine does")
+    arg("--tokenizer", help="checkpoint dir whose chat template and tokenizer render --prompts")
+    arg("--chat-template-kwargs", type=kwargs_arg, default={},
+        help="JSON object of template variables for --prompts: those you serve with")
+    arg("--num-prompts", type=number(int, 1), default=8, help="prompts taken")
+    arg("--max-new-tokens", type=number(int, 1), default=256, help="tokens decoded per prompt")
+    arg("--eos", help="comma-separated end-of-sequence ids; default: the checkpoint's")
+    arg("--seed", type=number(int, 0), default=0, help="of --drafter random and of sampling")
+    arg("--temperature", type=number(float, 0), default=0.0,
+        help="0: greedy; > 0: tau of speculative sampling at this temperature")
+    arg("--replay", action="store_true", help="tau by replay: the same tau, without decoding")
     args = ap.parse_args(argv)
     try:
         eos = [int(x) for x in args.eos.split(",")] if args.eos else None
     except ValueError:
         sys.exit(f"error: --eos {args.eos}: comma-separated token ids, e.g. --eos 248046,248044")
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    torch.backends.cuda.matmul.allow_tf32 = True
-    preset = not os.path.isdir(args.target)
+    if args.prompts and not args.tokenizer:
+        sys.exit("error: --prompts needs --tokenizer DIR (its chat template renders them)")
+    device, dtype = _device()
+    # the drafter and the prompts before the target: a bad file fails in seconds, not after
+    # loading the target's weights; a missing or broken one is one line naming it
     try:
-        tcfg = TargetConfig.preset(args.target) if preset else TargetConfig.from_hf(args.target)
-        if args.drafter == "random":      # train.py's default geometry, initialised on the device
+        tcfg = (TargetConfig.from_hf(args.target) if os.path.isdir(args.target)
+                else TargetConfig.preset(args.target))
+        if args.drafter == "random":      # train.py's default geometry, seeded
             torch.manual_seed(args.seed)
-            with torch.device(device):
-                drafter = Drafter(DrafterConfig.from_target(tcfg))
-            drafter = drafter.to(dtype=dtype)
+            drafter = Drafter(DrafterConfig.from_target(tcfg)).to(device, dtype)
         elif not os.path.exists(os.path.join(args.drafter, "config.json")):
-            raise ValueError(f"--drafter {args.drafter}: no config.json there; "
-                             "pass train.py's OUT/drafter")
+            sys.exit(f"error: --drafter {args.drafter}: no config.json there; pass train.py's "
+                     "OUT/drafter")
         else:
             drafter = Drafter.from_pretrained(args.drafter, device=device, dtype=dtype)
-    except (ValueError, KeyError, FileNotFoundError) as e:
-        sys.exit(f"error: {e}")
-    c = drafter.config
-    checks = [(c.hidden_size == tcfg.hidden_size,
-               f"hidden size {c.hidden_size}, target's {tcfg.hidden_size}"),
-              (c.vocab_size == tcfg.vocab_size,
-               f"vocab {c.vocab_size}, target's {tcfg.vocab_size}"),
-              (max(c.target_layer_ids) < tcfg.num_hidden_layers,
-               f"target_layer_ids {c.target_layer_ids} past "
-               f"the target's {tcfg.num_hidden_layers} layers"),
-              (0 <= c.mask_token_id < tcfg.vocab_size,
-               f"mask_token_id {c.mask_token_id} outside the vocab")]
-    for ok, msg in checks:
-        if not ok:
-            sys.exit(f"error: --drafter {args.drafter} does not fit --target {args.target}: {msg}")
-    # the prompts before the target: a bad prompt file fails in seconds, not after loading the
-    # target's weights
-    if args.random_prompts:
-        g = torch.Generator().manual_seed(args.seed)
-        prompts = [torch.randint(0, tcfg.vocab_size, (args.prompt_len,), generator=g)
-                   for _ in range(args.random_prompts)]
-    elif args.prompts and not args.tokenizer:
-        sys.exit("error: --prompts needs --tokenizer DIR (the checkpoint whose chat template "
-                 "renders the prompts)")
-    else:
-        data_dir = args.data or demo_of(args.target)[0]
-        try:               # a missing file, a broken dataset or tokenizer: one line naming it
-            prompts = (chat_prompts(args.prompts, args.tokenizer, args.num_prompts,
-                                    args.chat_template_kwargs) if args.prompts
-                       else dataset_prompts(data_dir, args.num_prompts))
-        except (DataError, OSError) as e:
-            sys.exit(f"error: {e}")
-    if not prompts:
-        sys.exit("error: no prompts (empty --prompts file or val split)")
-    bad = [i for i, p in enumerate(prompts) if int(p.max()) >= tcfg.vocab_size]
-    if bad:
-        sys.exit(f"error: prompt {bad[0]} has token ids past the target's vocab "
-                 f"({tcfg.vocab_size}): wrong tokenizer or dataset for this target")
-    try:
+        c, V, L = drafter.config, tcfg.vocab_size, tcfg.num_hidden_layers
+        misfit = [m for bad, m in [
+            ((c.hidden_size, c.vocab_size) != (tcfg.hidden_size, V), f"hidden size "
+             f"{c.hidden_size}, vocab {c.vocab_size}; the target's {tcfg.hidden_size}, {V}"),
+            (max(c.target_layer_ids) >= L,
+             f"target_layer_ids {c.target_layer_ids} past the target's {L} layers"),
+            (not 0 <= c.mask_token_id < V, f"mask_token_id {c.mask_token_id} outside the vocab")]
+            if bad]
+        if misfit:
+            sys.exit(f"error: --drafter {args.drafter} does not fit --target {args.target}: "
+                     + misfit[0])
+        prompts = (chat_prompts(args.prompts, args.tokenizer, args.num_prompts,
+                                args.chat_template_kwargs) if args.prompts
+                   else dataset_prompts(args.data or demo_of(args.target)[0], args.num_prompts))
+        if not prompts:
+            sys.exit("error: no prompts (empty --prompts file or val split)")
+        bad = [i for i, p in enumerate(prompts) if int(p.max()) >= V]
+        if bad:
+            sys.exit(f"error: prompt {bad[0]} has token ids past the target's vocab ({V}): wrong "
+                     "tokenizer or dataset for this target")
         target = load_target(args.target, device, dtype)
-    except (ValueError, KeyError, FileNotFoundError) as e:
-        sys.exit(f"error: --target {args.target}: {e}")
-    eos = hf_eos(args.target) if eos is None else eos
-    print(f"target {args.target} on {device} ({dtype}) | "
-          f"drafter {args.drafter}: {c.num_hidden_layers} layers, "
-          f"block {c.block_size}, mask token {c.mask_token_id}, taps {c.target_layer_ids} | "
-          f"{len(prompts)} prompts, {args.max_new_tokens} new tokens each, eos {eos or 'none'}")
-    prompts = [p.to(device) for p in prompts]
+    except (ValueError, KeyError, OSError) as e:       # DataError is a ValueError
+        sys.exit(f"error: {e}")
+    eos, N, B = set(hf_eos(args.target) if eos is None else eos), args.max_new_tokens, c.block_size
+    print(f"target {args.target} on {device} ({dtype}) | drafter {args.drafter}: "
+          f"{c.num_hidden_layers} layers, block {B}, mask token {c.mask_token_id}, taps "
+          f"{c.target_layer_ids} | {len(prompts)} prompts, {N} new tokens each, eos "
+          f"{sorted(eos) or 'none'}")
+    prompts, t0 = [p.to(device) for p in prompts], time.time()
+    if not (args.temperature or args.replay):
+        r = evaluate(target, drafter, prompts, N, eos)
+        if os.path.exists(os.path.join(args.target, "tokenizer.json")):
+            show_block(target, drafter, prompts[0], args.target)
+        return r
     if args.temperature:
-        r = sampled_tau(target, drafter, prompts, args.max_new_tokens, args.temperature,
-                        args.seed, set(eos))
-        print(f"sampling at T = {args.temperature}: tau {tau_text(r)}")
-        print(hist_line(r["hist"]))
-        return r
-    if args.replay:
-        t0 = time.time()
-        seqs = target.greedy(prompts, args.max_new_tokens + c.block_size - 1)
-        seqs = [s[:len(p) + args.max_new_tokens + c.block_size - 1] for s, p in zip(seqs, prompts)]
-        cycles, differ = replay(target, drafter, seqs, [len(p) for p in prompts],
-                                args.max_new_tokens, set(eos))
-        r = tau_summary(cycles, c.block_size)
-        print(f"replay: tau {tau_text(r)} | {differ} decoded tokens differ from the forward's "
-              f"argmax | {time.time() - t0:.1f}s")
-        print(hist_line(r["hist"]))
-        return r
-    res = evaluate(target, drafter, prompts, args.max_new_tokens, set(eos))
-    if os.path.exists(os.path.join(args.target, "tokenizer.json")):
-        show_block(target, drafter, prompts[0], args.target)
-    return res
+        r = sampled_tau(target, drafter, prompts, N, args.temperature, args.seed, eos)
+        how = f"sampling at T = {args.temperature}"
+    else:                  # the greedy continuations, decoded with the target's KV caches
+        seqs = [s[:len(p) + N + B - 1] for s, p in zip(target.greedy(prompts, N + B - 1), prompts)]
+        cycles, differ = replay(target, drafter, seqs, [len(p) for p in prompts], N, eos)
+        r, how = tau_summary(cycles, B), f"replay ({differ} decoded tokens differ from the argmax)"
+    print(f"{how}: tau {tau_text(r)} | {time.time() - t0:.1f}s\n{hist_line(r['hist'])}")
+    return r
 
 if __name__ == "__main__":
     main()

@@ -2714,7 +2714,7 @@ def test_block_lists_per_kind():
 
 # ==================================================================================================
 # generate.py: greedy speculative decoding with the tiny target and a drafter trained here on the demo
-# prompts (its command line, and train.py --generate-prompts: test_train.py)
+# prompts (its command line: test_train.py)
 
 MAX_NEW = 32
 

@@ -2,7 +2,7 @@
 train.py end to end, in real processes on CPU: the demo run, torchrun pairs over gloo, resume, and the
 faults a long job meets (bad flags, bad checkpoints, a non-finite loss, a killed rank, a crash mid-save,
 a broken compile cache, two nodes); the published z-lab drafter config in and out (--init-drafter);
-generate.py's command line and train.py --generate-prompts. Minutes: each test trains the tiny target's
+generate.py's command line. Minutes: each test trains the tiny target's
 drafter a few steps.
 Run: python -m pytest -q test_smoke.py test_train.py (the demo dataset is built once, in data/demo)
 """
@@ -539,30 +539,18 @@ def test_code_demo_trains_and_shows_a_block(tmp_path):
 
 
 # ==================================================================================================
-# generate.py: train.py --generate-prompts, then generate.py's command line on that run's export
+# generate.py's command line on a short train.py run's export
 
 @pytest.fixture(scope="module")
 def generated(tmp_path_factory):
-    """A short train.py run with --generate-prompts; its exported drafter is what the CLI test loads."""
+    """A short train.py run; its exported drafter is what the CLI test loads."""
     out = tmp_path_factory.mktemp("generated")
-    r = run_apart(train_cmd(out, "--max-steps", 4, "--no-compile", "--eval-interval", 1000,
-                            "--generate-prompts", 2, "--generate-tokens", 8))
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    return out, r
-
-
-def test_train_generate_flag(generated):
-    """train.py --generate-prompts: tau of the exported drafter logged next to the held-out proxy."""
-    out, r = generated
-    gen = train_log(out, "generate")
-    assert len(gen) == 1 and gen[0]["prompts"] == 2 and gen[0]["identical"] == 2 and gen[0]["tau"] >= 1
-    assert gen[0]["proxy_accept"] == train_log(out, "eval")[-1]["accept"]
-    assert "generate: tau" in r.stdout
+    train(out, "--max-steps", 4, "--no-compile", "--eval-interval", 1000)
+    return out
 
 
 def test_generate_cli(generated, tmp_path):
-    out, _ = generated
-    drafter = out / "drafter"
+    drafter = generated / "drafter"
     r = run_apart(generate_cmd("--drafter", drafter, "--num-prompts", 2, "--max-new-tokens", 16))
     assert r.returncode == 0, r.stderr
     assert "speculative == greedy on 2/2 prompts" in r.stdout and r.stdout.count("identical to greedy") == 2
