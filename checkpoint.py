@@ -85,8 +85,6 @@ def identity(args, pairs, data_meta, row_anchors, dcfg, tcfg):
            "target config": vars(tcfg)}
     if args.loss != "dflash":      # (absent from dflash runs: their older checkpoints still resume)
         run.update({"--loss": args.loss, "--dpace-alpha": args.dpace_alpha})
-    if args.kd:
-        run["--kd"] = args.kd
     return run
 
 def load(ckpt_path, run, device, max_steps, drafter, opt, args, world):

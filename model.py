@@ -151,44 +151,30 @@ class _WeightedCE(torch.autograd.Function):
     [N*B, vocab] logits never exist at once. The gradient wrt h (the only one: W is frozen) is
     computed in the forward, which saves re-running the logits GEMM in the backward.
     dpace=alpha: w is the 0/1 supervision and each block's weights are dpace_weights of the slots'
-    own probabilities (chunks of whole blocks of B rows), constants for the gradient.
-    teacher [rows, H]: the target's normed final hidden state where each row's token is predicted;
-    kd=W: each row's term is (1 - W) CE + W KL(softmax(teacher @ W^T) || softmax(h @ W^T))."""
+    own probabilities (chunks of whole blocks of B rows), constants for the gradient."""
     @staticmethod
-    def forward(ctx, h, weight, labels, w, chunk, B=None, dpace=None, teacher=None, kd=0.0):
+    def forward(ctx, h, weight, labels, w, chunk, B=None, dpace=None):
         loss, pred, grads = h.new_zeros((), dtype=torch.float32), [], []
         for s in range(0, h.shape[0], chunk):
-            x, t = h[s:s + chunk], None if teacher is None else teacher[s:s + chunk]
+            x = h[s:s + chunk]
             if s:
                 # one chunk after another: without a data dependency on the last chunk's result
                 # torch.compile fuses the chunks' kernels into one, which holds every chunk's logits
                 # at once. g - g is 0 (NaN only if the step already is); the compiler folds g * 0.
                 g = (grads[-1] if grads else loss.view(1, 1))[:1, :1]
-                zero = g - g
-                x = x + zero.to(x.dtype)
-                t = None if t is None else t + zero.to(t.dtype)
+                x = x + (g - g).to(x.dtype)
             logits = (x @ weight.t()).float()
             lse = logits.logsumexp(-1)
-            y = labels[s:s + chunk, None]
-            w_chunk = w[s:s + chunk]
+            y, w_chunk = labels[s:s + chunk, None], w[s:s + chunk]
             ce = lse - logits.gather(1, y)[:, 0]
-            term = ce
-            if teacher is not None:
-                log_pt = (t @ weight.t()).float().log_softmax(-1)
-                pt = log_pt.exp()
-                kl = (pt * (log_pt - logits + lse[:, None])).sum(-1)
-                term = (1 - kd) * ce + kd * kl
             if dpace is not None:
                 w_chunk = dpace_weights((-ce).exp().view(-1, B), w_chunk.view(-1, B) > 0,
                                         dpace).view(-1)
-            loss = loss + (w_chunk * term.masked_fill(w_chunk == 0, 0.0)).sum()  # no NaN * 0
+            loss = loss + (w_chunk * ce.masked_fill(w_chunk == 0, 0.0)).sum()   # no NaN * 0
             pred.append(logits.argmax(-1))
             if ctx.needs_input_grad[0]:
-                p = (logits - lse[:, None]).exp()                                 # softmax
-                # d term / d logits: softmax - (1 - W) onehot - W softmax(teacher)
-                p = p.scatter_add(1, y, torch.full_like(y, kd - 1, dtype=logits.dtype))
-                if teacher is not None:
-                    p = p - kd * pt
+                p = (logits - lse[:, None]).exp()                       # d CE / d logits: softmax
+                p = p.scatter_add(1, y, torch.full_like(y, -1, dtype=logits.dtype))   # - onehot
                 grads.append((p * w_chunk[:, None]).to(weight.dtype) @ weight)
         pred = torch.cat(pred)
         ctx.mark_non_differentiable(pred)
@@ -198,7 +184,7 @@ class _WeightedCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_loss, g_pred):
         (dh,) = ctx.saved_tensors
-        return (dh * g_loss).to(dh.dtype), None, None, None, None, None, None, None, None
+        return (dh * g_loss).to(dh.dtype), None, None, None, None, None, None
 
 # -----------------------------------------------------------------------------
 # 5) the drafter
@@ -431,15 +417,13 @@ class Drafter(nn.Module):
         return self.norm(h)
 
     def forward(self, feats, tokens, loss_mask, doc, pos, anchors, keep, embed, head, gamma=7.0,
-                flex=None, blocks=None, ce_chunk=1024, dpace=None, teacher=None, kd=None):
+                flex=None, blocks=None, ce_chunk=1024, dpace=None):
         """Masked training forward over one packed row. feats [S, n_feat*H]; tokens, loss_mask,
         doc, pos [S]; anchors, keep [N] from sample_anchors; embed, head the target's frozen
         [vocab, H]. flex None: dense mask + SDPA (CPU); else flex_attention kernel options (GPU),
         with blocks = block_lists(...) made before the compiled graph. dpace=alpha: D-PACE's
-        weights instead of the decay. teacher [S, H] (the target's final hidden state, before its
-        norm) with kd=(W, that norm): each slot's term is (1 - W) CE + W KL against the target's
-        next-token distribution. Returns device tensors: the loss and the sums behind acceptance
-        and per-slot accuracy."""
+        weights instead of the decay. Returns device tensors: the loss and the sums behind
+        acceptance and per-slot accuracy."""
         c, S, N, B = self.config, tokens.shape[0], anchors.shape[0], self.config.block_size
         k = torch.arange(B, device=tokens.device)
         idx = anchors[:, None] + k                         # [N, B] absolute positions of the block
@@ -464,13 +448,7 @@ class Drafter(nn.Module):
             weights, chunk = supervised.float(), max(B, ce_chunk // B * B)
             d = doc[anchors]
             norm = (keep & torch.cat([keep[:1], d[1:] != d[:-1]])).sum().clamp(min=1)
-        rows, W = None, 0.0
-        if teacher is not None:
-            # slot k predicts the token at anchor+k: the target's distribution after anchor+k-1
-            at = (anchors[:, None] + k - 1).clamp(0, S - 1).view(-1)
-            rows, W = kd[1](teacher[at]), kd[0]
-        wce, pred = _WeightedCE.apply(h, head, labels.view(-1), weights.view(-1), chunk, B, dpace,
-                                      rows, W)
+        wce, pred = _WeightedCE.apply(h, head, labels.view(-1), weights.view(-1), chunk, B, dpace)
         correct = (pred.view(N, B) == labels) & supervised
         accepted = 1 + correct[:, 1:].long().cumprod(1).sum(1)  # anchor + leading correct slots
         return dict(loss=wce / norm, accept_sum=(accepted * keep).sum(),
@@ -496,10 +474,10 @@ class Drafter(nn.Module):
         logits = (h[1:] @ head.t()).float()
         return logits.argmax(-1), logits
 
-    def flops(self, S, N, visible=None, kd=False):
+    def flops(self, S, N, visible=None):
         """Matmul FLOPs of one training step (fwd + bwd) at S context tokens and N anchors.
         visible: {layer kind: (query, key) pairs its mask lets through} for the attention FLOPs
-        (None leaves them out). kd: with the teacher's logits."""
+        (None leaves them out)."""
         c, Q = self.config, N * self.config.block_size
         q_o_mlp = c.hidden_size * (2 * c.num_attention_heads * c.head_dim + 3 * c.intermediate_size)
         kv = 2 * c.hidden_size * c.num_key_value_heads * c.head_dim
@@ -508,8 +486,8 @@ class Drafter(nn.Module):
         attn = 4 * c.num_attention_heads * c.head_dim * pairs          # QK^T and PV
         fc = 2 * S * self.fc.in_features * c.hidden_size               # no input grad: fwd + dW
         head = 2 * Q * c.vocab_size * c.hidden_size
-        # trainable GEMMs: fwd + 2x bwd; frozen head: logits + dh (kd: + the teacher's logits)
-        return 3 * (fwd + attn) + 2 * fc + (3 if kd else 2) * head
+        # trainable GEMMs: fwd + 2x bwd; the frozen head: logits + dh
+        return 3 * (fwd + attn) + 2 * fc + 2 * head
 
     # -------------------------------------------------------------------------
     # 6) export in the z-lab format
@@ -633,26 +611,22 @@ def config_from_json(cfg):
 # -----------------------------------------------------------------------------
 # 7) the drafter step
 
-def drafter_loss(drafter, feats, row, kd=None, **kw):
+def drafter_loss(drafter, feats, row, **kw):
     """Drafter.forward on one packed row under bf16 autocast on GPU: the graph train.py compiles
     (static shapes). row: {"tokens", "loss_mask", "doc", "pos"} [S] on the device; kw: Drafter.
-    forward's keywords. kd=(W, the target's final norm): the last hidden-size columns of feats are
-    the target's final hidden state, the teacher. Evals run it too, with autograd recording and no
-    backward (their saved activations are freed with the output): a no_grad eval would be a second
-    graph, compiled once more."""
-    teacher, H = None, drafter.config.hidden_size
-    if kd is not None:
-        feats, teacher = feats[:, :-H], feats[:, -H:]
+    forward's keywords. Evals run it too, with autograd recording and no backward (their saved
+    activations are freed with the output): a no_grad eval would be a second graph, compiled once
+    more."""
     with torch.autocast("cuda", torch.bfloat16) if feats.is_cuda else nullcontext():
         return drafter(feats, tokens=row["tokens"], loss_mask=row["loss_mask"], doc=row["doc"],
-                       pos=row["pos"], teacher=teacher, kd=kd, **kw)
+                       pos=row["pos"], **kw)
 
 def drafter_step(drafter, feats, row, *, per_doc, capacity, loss=drafter_loss, **kw):
     """The drafter's part of a training step on one packed row, before its backward: the row's
     anchors (up to per_doc per document, capacity per row) and, for flex, their BlockMask lists,
     made on the device just before the graph (inductor's flex lowering rejects mask tensors made
     inside it); then loss(drafter, feats, row, **kw): drafter_loss, or train.py's compiled one.
-    kw: embed, head, gamma, flex, dpace, kd. Returns (the loss's dict, anchors wanted before the
+    kw: embed, head, gamma, flex, dpace. Returns (the loss's dict, anchors wanted before the
     capacity cut)."""
     anchors, keep, wanted = sample_anchors(row["loss_mask"], row["doc"], per_doc, capacity)
     blocks = None

@@ -142,11 +142,12 @@ def positions_from_cu(cu_seqlens):
 
 def pad_docs(x, docs):
     # [T, ...] -> [n_docs, longest, ...], every document zero-padded at its end
-    idx, valid, _ = docs.pad
+    idx, valid = docs.pad[:2]
     return x[idx] * valid.view(*valid.shape, *[1] * (x.dim() - 1)).to(x.dtype)
 
 def unpad_docs(y, docs):
-    return y[docs.pad[1]]
+    # [n_docs, longest, ...] -> [T, ...]: a gather, not a boolean mask (no data-dependent shape)
+    return y.flatten(0, 1)[docs.pad[3]]
 
 # -----------------------------------------------------------------------------
 # Gated DeltaNet core in plain torch (the CPU path, and the reference for the fla kernel)
@@ -206,8 +207,9 @@ def _chunk_indices(cu, device):
 class Docs(NamedTuple):
     """The document boundaries of a packed row, as every layer reads them: cu [n+1] long on the
     row's device, the same as a host list, fla's chunk list (fla kernels), the longest document
-    (flash attention's grid), and pad: pad_docs' index [n_docs, longest], which of it is real, and
-    each token's document (plain-torch layers), made on the host: a compiled layer never syncs."""
+    (flash attention's grid), and pad: pad_docs' index [n_docs, longest], which of it is real,
+    each token's document and unpad_docs' index (plain-torch layers), made on the host: a
+    compiled layer never syncs."""
     cu: torch.Tensor
     bounds: list
     chunks: torch.Tensor | None
@@ -225,7 +227,8 @@ class Docs(NamedTuple):
                         int(lens.max()))
         j = np.arange(lens.max())
         valid = j[None, :] < lens[:, None]
-        pad = np.where(valid, cu[:-1, None] + j, 0), valid, np.repeat(np.arange(len(lens)), lens)
+        pad = (np.where(valid, cu[:-1, None] + j, 0), valid, np.repeat(np.arange(len(lens)), lens),
+               np.flatnonzero(valid))
         return Docs(upload(cu_seqlens, device), bounds, None, int(lens.max()),
                     tuple(upload(torch.from_numpy(a), device) for a in pad))
 

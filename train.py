@@ -55,13 +55,11 @@ arg("--gamma", type=number(float, 0, above=True), default=7.0, help="slot k's we
     "exp(-(k-1)/gamma)")
 arg("--loss", choices=("dflash", "dpace"), default="dflash", help="dflash: decayed CE; dpace: "
     "D-PACE, expected-acceptance weights")
-arg("--dpace-alpha", type=number(float, 0, hi=1), default=0.5, help="D-PACE smoothing alpha")
-arg("--kd", type=number(float, 0, hi=1), default=0.0, help="distillation weight W: (1 - W) CE + "
-    "W KL(target || drafter)")
+arg("--dpace-alpha", type=number(float, 0, hi=1), help="D-PACE smoothing alpha (0.5)")
 arg("--lr", type=number(float, 0, above=True), default=6e-4, help="peak AdamW learning rate")
 arg("--warmup", type=number(float, 0, hi=1), default=0.04, help="warmup share of the steps; "
     "then cosine to 0")
-arg("--epochs", type=number(int, 1), default=6, help="passes over the data (or --max-steps)")
+arg("--epochs", type=number(int, 1), help="passes over the data (6; or --max-steps)")
 arg("--max-steps", type=number(int, 1), help="optimizer steps (default: epochs' worth)")
 arg("--grad-clip", type=number(float, 0, above=True), default=1.0, help="gradient-norm clip")
 arg("--seed", type=number(int, 0), default=0, help="data order and anchor sampling seed")
@@ -83,6 +81,12 @@ arg("--fresh-cache", action="store_true", help="empty this run's Triton/Inductor
 arg("--timeout", type=number(float, 0, above=True), default=900, help="seconds a rank waits for "
     "a peer (the first compile included)")
 args = parser.parse_args()
+if args.epochs and args.max_steps:       # a flag a combination would ignore is refused
+    parser.error("--epochs and --max-steps: give one")
+if args.dpace_alpha is not None and args.loss != "dpace":
+    parser.error("--dpace-alpha: for --loss dpace only")
+args.epochs = args.epochs or 6
+args.dpace_alpha = 0.5 if args.dpace_alpha is None else args.dpace_alpha
 if args.wandb:
     import monitor                  # stops here, in one line, without the wandb package
 
@@ -243,13 +247,10 @@ for ok, msg in [
         sys.exit("error: " + msg)
 
 # -----------------------------------------------------------------------------
-# models: target ranks load the layers up to the last tapped one, drafters embed_tokens + lm_head.
-# --kd: the target also runs its last layers and sends its final hidden state after the taps, the
-# teacher whose distribution (final norm, LM head: the drafter rank's) the drafter distils
+# models: target ranks load the layers up to the last tapped one, drafters embed_tokens + lm_head
 
-sent = [*taps, tcfg.num_hidden_layers - 1] if args.kd else taps
 tdtype = torch.bfloat16 if cuda else torch.float32
-kw = dict(device=device, dtype=tdtype, n_layers=max(sent) + 1 if runs_target else 0,
+kw = dict(device=device, dtype=tdtype, n_layers=max(taps) + 1 if runs_target else 0,
           head=runs_drafter)
 try:
     target = Target.build(tcfg, **kw) if preset else Target.from_pretrained(args.target, **kw)
@@ -269,12 +270,14 @@ if runs_drafter:
     # the row capacity and metrics above assume --block-size; the mask token must be a target row
     if ((d.hidden_size, d.target_layer_ids, d.block_size) != (tcfg.hidden_size, taps, block_size)
             or args.mask_token_id not in (None, d.mask_token_id)
+            or args.drafter_layers not in (None, d.num_hidden_layers)
             or not 0 <= d.mask_token_id < tcfg.vocab_size):
         sys.exit(f"error: --init-drafter {args.init_drafter} (hidden {d.hidden_size}, taps "
-                 f"{d.target_layer_ids}, block {d.block_size}, mask token {d.mask_token_id}) does "
-                 f"not match the target and flags (hidden {tcfg.hidden_size}, taps {taps}, "
-                 f"--block-size {block_size}, --mask-token-id {dcfg.mask_token_id}, vocab "
-                 f"{tcfg.vocab_size})")
+                 f"{d.target_layer_ids}, block {d.block_size}, mask token {d.mask_token_id}, "
+                 f"{d.num_hidden_layers} layers) does not match the target and flags (hidden "
+                 f"{tcfg.hidden_size}, taps {taps}, --block-size {block_size}, --mask-token-id "
+                 f"{dcfg.mask_token_id}, vocab {tcfg.vocab_size}, --drafter-layers "
+                 f"{args.drafter_layers})")
     layout = lambda c: (c.layer_types, c.windows())
     if args.init_drafter and args.sliding_window is not None and layout(d) != layout(dcfg):
         sys.exit(f"error: --sliding-window {args.sliding_window} asks for layers {layout(dcfg)}, "
@@ -291,13 +294,12 @@ if runs_drafter:
         torch._dynamo.config.fail_on_recompile_limit_hit = True
         loss_fn = torch.compile(drafter_loss, fullgraph=True, dynamic=False)
         if cuda:
-            warnings.filterwarnings("error", message=".*flex_attention called without torch.compile")
+            warnings.filterwarnings("error", ".*flex_attention called without torch.compile")
     step_fn = functools.partial(
         drafter_step, drafter, per_doc=per_doc, capacity=row_anchors, loss=loss_fn,
         embed=target.embed_tokens.weight, head=target.lm_head.weight, gamma=args.gamma,
         flex=flex_kernel_options(device) if cuda else None,
-        dpace=args.dpace_alpha if args.loss == "dpace" else None,
-        kd=(args.kd, target.norm) if args.kd else None)
+        dpace=args.dpace_alpha if args.loss == "dpace" else None)
 
 # -----------------------------------------------------------------------------
 # resume: the drafter ranks read the checkpoint, which must be of this run (checkpoint.identity);
@@ -330,8 +332,7 @@ for i in infos:
     print0(f"  rank {i['rank']}: {i['role']:<14} pair {i['pair']} on {i['device']} | "
            f"caches {' '.join(i['caches'])}")
 print0(f"target: {args.target} ({tcfg.num_hidden_layers} layers, hidden {tcfg.hidden_size}, "
-       f"vocab {tcfg.vocab_size}), taps {taps}, layers 0..{max(sent)} loaded"
-       + (f"; --kd {args.kd}: the last layer's output sent too" if args.kd else ""))
+       f"vocab {tcfg.vocab_size}), taps {taps}, layers 0..{max(taps)} loaded")
 n_params = sum(p.numel() for p in drafter.parameters()) if runs_drafter else 0
 kinds = [f"{dcfg.layer_types.count(k)} x {k}" + (f" (window {w})" if w else "")
          for k, w in dcfg.windows().items()]
@@ -437,10 +438,10 @@ def unpack_row(packed):
 
 def update(feats, packed, lr):
     """One optimizer step on one row at learning rate lr: the drafter step (anchors, compiled
-    forward), backward, gradient all-reduce, clip, AdamW. Returns the step's metrics and its
-    non-finite flag (then AdamW skipped the update), as device tensors. Keep it capture-safe: nothing here may sync
-    with the host (no .item(), no Python branch on a tensor value): a launch-bound run replays it
-    from a CUDA graph (speedups.UpdateGraph)."""
+    forward), backward, gradient all-reduce, clip, AdamW. Returns the step's metrics, with its
+    non-finite flag (then AdamW skipped the update), as device tensors. Keep it capture-safe: no
+    host sync here (no .item(), no Python branch on a tensor value), as a launch-bound run
+    replays it from a CUDA graph (speedups.UpdateGraph)."""
     for g in opt.param_groups:
         g["lr"] = lr
     out, wanted = step_fn(feats, unpack_row(packed))
@@ -459,8 +460,8 @@ def update(feats, packed, lr):
 
 # The pair protocol. Per "train" and "eval" item of the schedule the target sends its drafter one
 # row in one batched P2P op (NCCL serializes unbatched sends with every other op on the group):
-#   features  [budget, len(sent) * hidden] in the target's dtype (bf16; fp32 on CPU): the taps'
-#             outputs (--kd: the last layer's output after them)
+#   features  [budget, len(taps) * hidden] in the target's dtype (bf16; fp32 on CPU): the taps'
+#             outputs
 #   fields    [5, budget] int64: data.Row.packed
 # The target runs ahead: it queues a row's forward once its GPU is done with the previous row,
 # posts the send without waiting, then waits for the send of two rows before: at most two rows in
@@ -469,8 +470,8 @@ def update(feats, packed, lr):
 # one process plays both sides and nothing travels.
 
 # a launch-bound target forward is replayed from CUDA graphs (dense targets only)
-features = (speedups.FeatureGraphs(target, sent, print0) if graphs_wanted and runs_target
-            and not tcfg.num_experts else lambda ids, cu, train: target.features(ids, cu, sent))
+features = (speedups.FeatureGraphs(target, taps, print0) if graphs_wanted and runs_target
+            and not tcfg.num_experts else lambda ids, cu, train: target.features(ids, cu, taps))
 
 def target_row(kind, r):
     # the next row of `kind` (eval: held-out row r): its fields in one upload, then its features
@@ -520,7 +521,7 @@ if role == "target":
 # drafter ranks (and world size 1): receive rows, train
 
 if world > 1:   # the receive buffers: features, fields
-    bufs = (torch.empty(budget, len(sent) * tcfg.hidden_size, dtype=tdtype, device=device),
+    bufs = (torch.empty(budget, len(taps) * tcfg.hidden_size, dtype=tdtype, device=device),
             torch.empty(5, budget, dtype=torch.int64, device=device))
 
 def next_row(kind, r):
@@ -597,7 +598,7 @@ for step, kind, r in schedule(start_step):
         t1 = mark()
         if self_check.process:
             print0(f"self-check: {self_check.join()}")
-        torch.manual_seed(args.seed * 1_000_003 + step * 1009 + pair)   # anchors: (seed, step, pair)
+        torch.manual_seed(args.seed * 1_000_003 + step * 1009 + pair)  # anchors: (seed, step, pair)
         # on GPU the step after the compiling one runs under the profiler, which must see the
         # fused flex backward
         probed = cuda and not args.no_compile and step == start_step + 1
