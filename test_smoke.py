@@ -2926,7 +2926,7 @@ def test_quality_target_is_a_checkpoint(tmp_path):
     import quality
     from transformers import AutoModelForCausalLM
     b = quality.Build(vocab=300, hidden=64, layers=4, intermediate=96, seq=32, batch=4, steps=3, max_files=120)
-    tok, enc = quality.tokenized(b, str(tmp_path))
+    tok, enc = quality.tokenized(b)
     assert tok.get_vocab_size() == 300 and tok.token_to_id(quality.EOT) == 0
     assert tok.token_to_id(quality.MASK) == 299 and all(299 not in e for e in enc["train"])
     cfg = quality.hf_config(b)
@@ -3005,6 +3005,74 @@ def test_quality_command_end_to_end(tmp_path, capsys):
     assert data.open_dataset(str(other / "data" / "train")).meta["n_samples"] == 8
     for f in (build / "target").iterdir():
         assert f.read_bytes() == (other / "target" / f.name).read_bytes(), f.name
+
+
+def test_quality_builds_side_by_side(tmp_path):
+    """Three `python quality.py --build-only` processes started at once on one cold --work (two
+    with the same settings, one differing in its data only) all finish: one target is trained
+    and shared by both builds, each build is made once (its twin waits and reuses it), and no
+    tmp dir is left behind. CPU, three real processes."""
+    small = ["--work", str(tmp_path), "--build-only", "--target-vocab", "300", "--target-hidden",
+             "64", "--target-layers", "4", "--target-intermediate", "96", "--target-seq", "32",
+             "--target-batch", "4", "--target-steps", "3", "--target-max-files", "120",
+             "--target-train-prompts", "12", "--target-eval-prompts", "4",
+             "--target-new-tokens", "24"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "quality.py"), *small, *more],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+             for more in ([], [], ["--target-train-prompts", "8"])]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-3000:]
+    log = "".join(outs)
+    assert log.count("target step 0/3") == 1 and log.count("reusing the target of ") == 1, log
+    assert len(re.findall("^built ", log, re.M)) == 2, log
+    assert log.count("reusing the target and data in ") == 1, log
+    # the twins print one build: its dir, build time and target losses
+    same = [re.search(r"build-\w+ \(build time .*", out).group(0) for out in outs[:2]]
+    assert same[0] == same[1], same
+    assert not list(tmp_path.glob("*.tmp-*")), os.listdir(tmp_path)
+    builds = sorted(p for p in tmp_path.glob("build-*") if p.is_dir())
+    assert len(builds) == 2, os.listdir(tmp_path)
+    for f in (builds[0] / "target").iterdir():
+        assert f.read_bytes() == (builds[1] / "target" / f.name).read_bytes(), f.name
+
+
+def _make_once_unlocked(path, barrier, results):
+    # a child of test_quality_once_without_locks: flock fails as on a filesystem without locks
+    import quality
+
+    def make(tmp):
+        os.makedirs(tmp)
+        with open(os.path.join(tmp, "who"), "w") as f:
+            f.write(str(os.getpid()))
+        barrier.wait(timeout=60)    # both peers are making the dir at once
+
+    def no_locks(*args):
+        raise OSError(37, "No locks available")
+    quality.fcntl.flock = no_locks
+    results.put((os.getpid(), quality.once(path, make)))
+
+
+def test_quality_once_without_locks(tmp_path):
+    """quality.once where flock fails: two processes make one dir at once, each in a tmp dir of its
+    own; the first rename publishes, the second keeps that copy and drops its own, so path holds
+    one whole copy and no tmp dir is left. CPU, two forked processes."""
+    import multiprocessing
+    mp = multiprocessing.get_context("fork")
+    barrier, results, path = mp.Barrier(2), mp.Queue(), str(tmp_path / "thing")
+    procs = [mp.Process(target=_make_once_unlocked, args=(path, barrier, results))
+             for _ in range(2)]
+    for p in procs:
+        p.start()
+    made = dict(results.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    assert sorted(made.values()) == [False, True], made
+    winner = next(pid for pid, m in made.items() if m)
+    assert (tmp_path / "thing" / "who").read_text() == str(winner)
+    assert sorted(os.listdir(tmp_path)) == ["thing", "thing.lock"]
 
 
 def chi_square(draws, probs):
