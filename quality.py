@@ -358,9 +358,11 @@ def main(argv=None):
         sys.exit(f"error: {e}")
     if args.export_demo:
         return export_demo(b, tdir, info, args.export_demo)
-    defaults = ["--anchors", "128", "--budget", "4096", "--epochs", "12", "--eval-rows", "16"]
+    defaults = ["--anchors", "128", "--budget", "4096", "--eval-rows", "16"]
     for steps in [] if args.build_only else map(int, args.curve.split(",")) if args.curve else [0]:
         flags = [*defaults, *argv[cut + 1:], *(["--max-steps", str(steps)] if steps else [])]
+        if not {"--max-steps", "--epochs"} & set(flags):    # train.py takes one or the other
+            flags += ["--epochs", "12"]
         key = hashlib.sha1(json.dumps([b.key(), flags]).encode()).hexdigest()[:10]
         out = ((f"{args.out}-{steps}" if steps else args.out) if args.out
                else os.path.join(args.work, f"run-{key}"))
