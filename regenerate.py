@@ -5,36 +5,28 @@ of a real run, before prepare.py. Needs the openai and tqdm packages.
     python regenerate.py --input prompts.jsonl --out answers.jsonl --server localhost:30000 \\
         --model /ckpt/Qwen3.6-27B
 
-Each line of --input (messages, ShareGPT conversations or a prompt) is sent to the target's chat
-endpoint and written to --out with its answers replaced by the target's; the rest of the line
-(id, source, tools, ...) is kept. A server started with --api-key: set OPENAI_API_KEY. Defaults
-follow SpecForge's scripts/regenerate_train_data.py (temperature 0.7, max tokens 4096, 64
-requests in flight per server; top_p / top_k unset, so the server's apply).
+Each line of --input (messages, ShareGPT conversations or a prompt; its "tools" are sent along)
+is written to --out as {"input_line": N, <its other fields>, "messages": [...]} with its answers
+replaced by the target's, as lines finish. Every assistant turn is answered again in order, each
+request holding the target's own earlier answers, and a conversation ending on a user turn gets a
+final answer; one with tool calls or results only its final answer (the results answer the
+original calls). An answer is {"role", "content", "reasoning_content" (any server's field, or an
+inline <think>...</think>), "tool_calls", "finish_reason" ("length": cut at --max-tokens),
+"usage"}. Defaults are SpecForge's (scripts/regenerate_train_data.py). A server started with
+--api-key: set OPENAI_API_KEY.
 
-Which turns: every assistant turn is answered again in order, each request holding the
-target's own earlier answers, and a conversation ending on a user turn gets a final answer.
-A conversation with tool calls or tool results gets only its final answer regenerated: the
-tool results in the data answer the original calls, not the ones the target would make.
-"tools" of the line are sent with the request.
-
-Output line: {"input_line": N, <the input's other fields>, "messages": [...]}; each answer is
-{"role": "assistant", "content", "reasoning_content" (the thinking, whichever field the server
-used; an inline <think>...</think> is split out), "tool_calls" (if any), "finish_reason"
-("length": cut at --max-tokens), "usage": {"prompt_tokens", "completion_tokens"}}.
-Lines are written as they finish (in that order, not the input's).
-
-Thinking: with thinking on (no "enable_thinking": false in --chat-template-kwargs), a server
-whose first 8 finished answers carry no reasoning is stopped: it runs without a reasoning
-parser, so the thinking would be lost (start it with --reasoning-parser qwen3).
-
-Failures: HTTP 5xx, 408 and 429, timeouts, lost connections and replies that are no chat
-completion are retried (--retries, --backoff); another HTTP 4xx fails the line at once.
-Safe to stop at any time: --resume skips the lines OUT holds and drops a half-written last
-one. A request failing after --retries goes to OUT.failed.jsonl (input_line, error) with the
-input's bad lines; the exit status is 1 when requests failed, and --resume retries them.
+With thinking on (no "enable_thinking": false in --chat-template-kwargs), a server whose first 8
+finished answers carry no reasoning is stopped before any of its lines is written: it runs
+without a reasoning parser (start it with --reasoning-parser qwen3), so the thinking is lost.
+HTTP 5xx, 408 and 429, timeouts, lost connections and replies that are no chat completion are
+retried (--retries, --backoff); another 4xx fails the line at once. Safe to stop at any time:
+--resume skips the lines OUT holds and drops a half-written last one. A request failing after
+--retries goes to OUT.failed.jsonl with the input's bad lines; the exit status is then 1, and
+--resume retries them.
 """
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -51,21 +43,20 @@ THINK_CHECK = 8  # finished answers per server with no reasoning at all before w
 POOL = 16        # concurrent requests per HTTP connection pool (see regenerate's client())
 
 def _server_url(s):  # --server: host:port, http://host:port or http://host:port/v1
-    s = s.rstrip("/")
-    s = s if "://" in s else "http://" + s
+    s = ("" if "://" in s else "http://") + s.rstrip("/")
     return s if s.endswith("/v1") else s + "/v1"
 
 def _wire(m):
     """A message as sent back in a later request: the target's reasoning under both names
-    (SGLang reads reasoning_content, vLLM >= 0.11 reads reasoning); the chat template decides
-    whether it renders (Qwen3.5/3.6 drop earlier turns' thinking unless preserve_thinking)."""
+    (SGLang reads reasoning_content, vLLM >= 0.11 reasoning); the chat template decides whether
+    it renders (Qwen3.5/3.6 drop earlier turns' thinking unless preserve_thinking)."""
     r = m.get("reasoning_content", m.get("reasoning"))
     m = {k: v for k, v in m.items() if k not in ("finish_reason", "usage")}
     return {**m, "reasoning_content": r, "reasoning": r} if r is not None else m
 
 def _turns(obj, last):
-    """A prompt line -> (the history before the first answer, the messages after it: each
-    assistant one is answered again, tools); which turns: the module's docstring."""
+    """A prompt line -> (the history before the first answer, the messages after it, each
+    assistant one to be answered again, tools); which turns: the module's docstring."""
     msgs, tools = conversation(obj), tools_of(obj)
     if last or any(m["role"] == "tool" or m.get("tool_calls") for m in msgs):
         i = len(msgs) - (msgs[-1]["role"] == "assistant")
@@ -73,8 +64,7 @@ def _turns(obj, last):
         i = next((i for i, m in enumerate(msgs) if m["role"] == "assistant"), len(msgs))
     if not any(m["role"] == "user" for m in msgs[:i]):
         raise Bad("no user turn", "the first answer to regenerate has no user message before it")
-    rest = msgs[i:] + [{"role": "assistant"}] * (msgs[-1]["role"] != "assistant")
-    return msgs[:i], rest, tools
+    return msgs[:i], msgs[i:] + [{"role": "assistant"}] * (msgs[-1]["role"] != "assistant"), tools
 
 def _done_lines(out, resume, log):
     """Input line numbers already in `out`; a half-written last line (a killed run) is cut off."""
@@ -106,41 +96,36 @@ class _Failed(Exception):
 def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temperature=0.7,
                top_p=None, top_k=None, chat_template_kwargs=None, timeout=3600.0, retries=5,
                backoff=1.0, resume=False, limit=None, turns="all", log=print):
-    """Prompts JSONL -> `out`: each line with its answers replaced by the target's (see the
-    module's docstring). Returns the counts; raises DataError when lines failed (then --resume
-    retries them)."""
-    openai = package("openai", "regenerate.py")
-    tqdm = package("tqdm", "regenerate.py").tqdm
+    """Prompts JSONL -> `out` (the module's docstring). Returns the counts; raises DataError when
+    lines failed (then --resume retries them)."""
+    openai, tqdm = package("openai", "regenerate.py"), package("tqdm", "regenerate.py").tqdm
     if not os.path.isfile(input):
         raise DataError(f"input file {input} not found")
-    failed_path = (out[:-len(".jsonl")] if out.endswith(".jsonl") else out) + ".failed.jsonl"
+    failed_path = out.removesuffix(".jsonl") + ".failed.jsonl"
     done = _done_lines(out, resume, log)
-    thinking = (chat_template_kwargs or {}).get("enable_thinking", True) is not False
     servers = list(dict.fromkeys(map(_server_url, servers)))
-    n = dict(lines=0, answers=0, truncated=0, failed=0, bad=0, retries=0, tokens=0)
     # top_k and chat_template_kwargs are SGLang's / vLLM's extensions of the OpenAI request
     sampling = {k: v for k, v in dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                       top_k=top_k, chat_template_kwargs=chat_template_kwargs
                                       ).items() if v is not None}
+    thinking = (chat_template_kwargs or {}).get("enable_thinking", True) is not False
+    # lines, answers, ...; per server: the lines written once it shows reasoning, those that
+    # did, its finished answers without reasoning, its lines failed in a row
+    n, held, verified = Counter(), {url: [] for url in servers}, set() if thinking else set(servers)
+    unthinking, streak = Counter(), Counter()
 
     def pending():  # (line number, line) of the input lines still to answer
         with open(input, "rb") as f:
-            for lineno, line in enumerate(f, 1):
-                if limit and lineno > limit:
-                    break
-                if line.strip() and lineno not in done:
-                    yield lineno, line
-    todo = sum(1 for _ in pending())
+            yield from ((i, line) for i, line in itertools.islice(enumerate(f, 1), limit)
+                        if line.strip() and i not in done)
 
     def jobs():  # one generator shared by all workers: the event loop runs one next() at a time
         for lineno, line in pending():
             try:
                 obj = load_line(line)
-                job = (lineno, obj, *_turns(obj, turns == "last"))
+                yield (lineno, obj, *_turns(obj, turns == "last"))
             except Bad as e:
                 fail(lineno, f"{e.args[0]}: {e.args[1]}", "bad")
-                continue
-            yield job
 
     def fail(lineno, why, kind="failed"):
         n[kind] += 1
@@ -158,9 +143,8 @@ def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temp
                             f"failed {n['failed'] + n['bad']}", refresh=False)
 
     async def ask(client, url, history, tools):
-        req = dict(model=model, messages=[_wire(m) for m in history], **sampling)
-        if tools is not None:
-            req["tools"] = tools
+        req = dict(model=model, messages=[_wire(m) for m in history], **sampling,
+                   **({} if tools is None else {"tools": tools}))
         for attempt in range(retries + 1):
             if attempt:
                 n["retries"] += 1
@@ -169,6 +153,13 @@ def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temp
                 # the client's plain POST: the body as we built it and the reply as text (any
                 # server's reasoning field), without openai's per-request transform and parse
                 text = await client.post("/chat/completions", body=req, cast_to=str)
+                why = f"non-JSON reply {text[:200]!r}"  # if the next line raises; and so on
+                body = json.loads(text)
+                why = f"reply without choices[0].message: {text[:200]!r}"
+                choice = body["choices"][0]
+                msg, usage = choice["message"], body.get("usage") or {}
+                if isinstance(msg, dict) and isinstance(usage, dict):
+                    break
             except openai.APITimeoutError:
                 why = f"no reply within --timeout {timeout:g}s"
             except openai.APIConnectionError as e:
@@ -177,43 +168,29 @@ def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temp
                 why = f"HTTP {e.status_code}: {e.response.text[:200]!r}"
                 if e.status_code < 500 and e.status_code not in (408, 429):
                     raise _Failed(f"{url}: {why}")  # the request itself is wrong: retry is futile
-            else:
-                try:
-                    body = json.loads(text)
-                    choice = body["choices"][0]
-                    msg, usage = choice["message"], body.get("usage") or {}
-                    if isinstance(msg, dict) and isinstance(usage, dict):
-                        break
-                    raise TypeError
-                except ValueError:
-                    why = f"non-JSON reply {text[:200]!r}"
-                except (KeyError, IndexError, TypeError):
-                    why = f"reply without choices[0].message: {text[:200]!r}"
+            except (ValueError, LookupError, TypeError):
+                pass
         else:
             raise _Failed(f"{url}: {why} (after {retries} retries)")
         content = msg.get("content") or ""
         reasoning = msg.get("reasoning_content") or msg.get("reasoning")
         if not reasoning and "</think>" in content:
             reasoning, content = split_think(content)
-        ans = dict(role="assistant", content=content)
-        if reasoning:
-            ans["reasoning_content"] = reasoning
-        if msg.get("tool_calls"):
-            ans["tool_calls"] = msg["tool_calls"]
-        ans["finish_reason"] = choice.get("finish_reason")
-        ans["usage"] = {k: usage.get(k) for k in ("prompt_tokens", "completion_tokens")}
-        n["answers"] += 1
-        n["truncated"] += ans["finish_reason"] == "length"
-        n["tokens"] += usage.get("completion_tokens") or 0
+        ans = dict(role="assistant", content=content, reasoning_content=reasoning,
+                   tool_calls=msg.get("tool_calls"))
+        ans = {k: v for k, v in ans.items() if v or k == "content"}
+        ans.update(finish_reason=choice.get("finish_reason"),
+                   usage={k: usage.get(k) for k in ("prompt_tokens", "completion_tokens")})
+        n.update(answers=1, truncated=ans["finish_reason"] == "length",
+                 tokens=usage.get("completion_tokens") or 0)
         # a server without a reasoning parser puts thinking nowhere we can see: stop early
         # (a cut answer may have stopped before its </think>, so only finished ones count)
         if url not in verified and ans["finish_reason"] != "length":
+            unthinking[url] += not reasoning
             if reasoning:
                 verified.add(url)
-            else:
-                unthinking[url] += 1
-                if unthinking[url] >= THINK_CHECK:
-                    raise DataError(no_thinking(url))
+            elif unthinking[url] >= THINK_CHECK:
+                raise DataError(no_thinking(url))
         return ans
 
     def no_thinking(url):
@@ -279,13 +256,11 @@ def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temp
     async def run():
         clients, tasks = [], []
         try:
-            for url in servers:
-                for i in range(concurrency):
-                    if i % POOL == 0:
-                        clients.append(client(url))
-                    tasks.append(asyncio.ensure_future(worker(clients[-1], url)))
+            for url, i in itertools.product(servers, range(concurrency)):
+                clients += [client(url)] * (i % POOL == 0)
+                tasks.append(asyncio.ensure_future(worker(clients[-1], url)))
             await asyncio.gather(*tasks)
-        finally:
+        finally:  # a worker's error: cancel the others before their clients close
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -294,12 +269,9 @@ def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temp
 
     for url in servers:
         asyncio.run(check(url))
+    todo, it = sum(1 for _ in pending()), jobs()
     if done:
         log(f"resuming: {len(done)} lines already in {out}, {todo} to go")
-    verified, unthinking = set(servers) if not thinking else set(), Counter()
-    streak = Counter()  # lines failed in a row, per server
-    held = {url: [] for url in servers}
-    it = jobs()
     with open(out, "a", encoding="utf-8") as outf, \
             open(failed_path, "w", encoding="utf-8") as fails, \
             tqdm(total=todo, unit="line", dynamic_ncols=True,
@@ -311,7 +283,7 @@ def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temp
             raise DataError(f"interrupted; the {n['lines']} lines written are kept: rerun with "
                             "--resume to continue")
         for url, lines in held.items():  # servers that never finished an answer: nothing to judge
-            if lines and unthinking.get(url):
+            if lines and unthinking[url]:
                 raise DataError(no_thinking(url))
             outf.writelines(lines)
     t, cpu = time.time() - t0, time.process_time() - cpu0
@@ -332,40 +304,31 @@ def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temp
 
 def main(argv=None):
     ap = ArgParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--input", required=True,
-                    help="JSONL of messages, ShareGPT conversations or prompt lines")
-    ap.add_argument("--out", required=True,
-                    help="output JSONL, appended to as answers arrive; failures: OUT.failed.jsonl")
-    ap.add_argument("--server", required=True, action="append",
-                    help="http://host:port[/v1] of an SGLang/vLLM server; repeat for several")
-    ap.add_argument("--model", required=True, help="the model name the servers serve")
-    ap.add_argument("--concurrency", type=number(int, 1), default=64,
-                    help="requests in flight per server (default 64, SpecForge's)")
-    ap.add_argument("--max-tokens", type=number(int, 1), default=4096,
-                    help="max generated tokens per answer, thinking included (default 4096)")
-    ap.add_argument("--temperature", type=float, default=0.7, help="default 0.7")
-    ap.add_argument("--top-p", type=float, default=None, help="default: not sent (server's)")
-    ap.add_argument("--top-k", type=int, default=None, help="default: not sent (server's)")
-    ap.add_argument("--chat-template-kwargs", type=kwargs_arg, default=None,
-                    help="JSON object for the server's chat template (default: none sent)")
-    ap.add_argument("--turns", choices=("all", "last"), default="all",
-                    help="all: answer every assistant turn in order (default); last: the final one")
-    ap.add_argument("--timeout", type=number(float, 0, above=True), default=3600,
-                    help="seconds one request may take (default 3600)")
-    ap.add_argument("--retries", type=number(int, 0), default=5,
-                    help="retries of a failed request (default 5)")
-    ap.add_argument("--backoff", type=number(float, 0), default=1.0,
-                    help="seconds before the first retry, doubling, +-50%% jitter (default 1)")
-    ap.add_argument("--resume", action="store_true",
-                    help="continue OUT: ask only for the lines it does not hold")
-    ap.add_argument("--limit", type=number(int, 1), default=None,
-                    help="only the first N lines of --input (default all)")
-    args = ap.parse_args(argv)
+    arg = ap.add_argument
+    arg("--input", required=True, help="JSONL of messages, ShareGPT conversations or prompt lines")
+    arg("--out", required=True, help="output JSONL, appended to; failures: OUT.failed.jsonl")
+    arg("--server", dest="servers", required=True, action="append",
+        help="http://host:port[/v1] of an SGLang/vLLM server; repeat for several")
+    arg("--model", required=True, help="the model name the servers serve")
+    arg("--concurrency", type=number(int, 1), default=64,
+        help="requests in flight per server (default 64, SpecForge's)")
+    arg("--max-tokens", type=number(int, 1), default=4096,
+        help="max generated tokens per answer, thinking included (default 4096)")
+    arg("--temperature", type=float, default=0.7, help="default 0.7")
+    arg("--top-p", type=float, help="default: not sent (server's)")
+    arg("--top-k", type=int, help="default: not sent (server's)")
+    arg("--chat-template-kwargs", type=kwargs_arg, help="JSON object for the server's chat template")
+    arg("--turns", choices=("all", "last"), default="all",
+        help="all: answer every assistant turn in order (default); last: the final one")
+    arg("--timeout", type=number(float, 0, above=True), default=3600,
+        help="seconds one request may take (default 3600)")
+    arg("--retries", type=number(int, 0), default=5, help="retries of a failed request (default 5)")
+    arg("--backoff", type=number(float, 0), default=1.0,
+        help="seconds before the first retry, doubling, +-50%% jitter (default 1)")
+    arg("--resume", action="store_true", help="continue OUT: ask only for the lines it lacks")
+    arg("--limit", type=number(int, 1), help="only the first N lines of --input (default all)")
     try:
-        regenerate(args.input, args.out, args.server, args.model, args.concurrency,
-                   args.max_tokens, args.temperature, args.top_p, args.top_k,
-                   args.chat_template_kwargs, args.timeout, args.retries, args.backoff,
-                   args.resume, args.limit, args.turns)
+        regenerate(**vars(ap.parse_args(argv)))
     except DataError as e:
         sys.exit(f"error: {e}")
 
