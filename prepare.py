@@ -45,9 +45,7 @@ def conversation(obj):
     messages, every key passed through (content, reasoning_content, tool_calls, ...); raises Bad."""
     if not isinstance(obj, dict):
         raise Bad("not a JSON object", f"got {type(obj).__name__}")
-    if "messages" in obj:
-        msgs = obj["messages"]
-    elif "conversations" in obj:
+    if "conversations" in obj and "messages" not in obj:  # ShareGPT
         turns = obj["conversations"]
         if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
             raise Bad("bad conversations", 'need a list of {"from": str, "value": str}')
@@ -56,12 +54,13 @@ def conversation(obj):
             raise Bad("unknown role", f"ShareGPT \"from\" {sorted(map(str, unknown))}, expected "
                       f"one of {sorted(SHAREGPT_ROLES)}")
         msgs = [{"role": SHAREGPT_ROLES[t["from"]], "content": t.get("value")} for t in turns]
-    elif isinstance(obj.get("prompt", 0), str):
-        msgs = [{"role": "user", "content": obj["prompt"]}]
+    elif "messages" in obj or not isinstance(obj.get("prompt"), str):
+        msgs = obj.get("messages")
     else:
-        raise Bad("no conversation", 'need "messages", "conversations" or a string "prompt"')
+        msgs = [{"role": "user", "content": obj["prompt"]}]
     if not (isinstance(msgs, list) and msgs and all(isinstance(m, dict) for m in msgs)):
-        raise Bad("bad messages", "need a non-empty list of message objects")
+        raise Bad("no conversation", 'need "messages" (a non-empty list of objects), '
+                  '"conversations" or a "prompt" string')
     for i, m in enumerate(msgs):
         if m.get("role") not in ROLES:
             raise Bad("unknown role", f"message {i} has role {m.get('role')!r}, expected one of "
@@ -81,8 +80,7 @@ def tools_of(obj):
 # loss mask on exactly what the target generated
 
 def _jinja_env():
-    """The environment of transformers' apply_chat_template (v5.24, chat_template_utils.py),
-    which SGLang and vLLM render templates with."""
+    """transformers' apply_chat_template environment (chat_template_utils.py): the engines'."""
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -108,12 +106,9 @@ def _jinja_env():
     return env
 
 def _template_messages(msgs):
-    """Messages as the engines hand them to the template. Tool-call arguments arrive as a JSON
-    string and templates iterate them as a mapping, so they are parsed first, as vLLM
-    (chat_utils.py, _postprocess_messages: an empty list of calls dropped, missing or empty
-    arguments {}) and SGLang (serving_chat.py) do. The reasoning under transformers' aliases
-    (_alias_reasoning_fields): the first of reasoning_content, thinking, reasoning is passed as
-    reasoning_content and thinking."""
+    """Messages as the engines hand them to the template: tool-call arguments parsed from JSON
+    (as vLLM's _postprocess_messages and SGLang do: no calls dropped, no arguments {}), the first
+    of reasoning_content, thinking, reasoning under the first two (transformers' aliases)."""
     out = []
     for i, m in enumerate(msgs):
         m = dict(m)
@@ -161,13 +156,12 @@ def _answer_parts(m):
                 r, pieces[k] = split_think(p)
     return r.strip(), [p.strip() for p in pieces if p.strip()]
 
-def _json_file(name):
-    """A checkpoint's optional JSON file: its object, {} when absent."""
-    if not os.path.isfile(name):
-        return {}
+def _json_file(name):  # a checkpoint's optional JSON file: {} when absent
     try:
         with open(name) as f:
             return dict(json.load(f))
+    except FileNotFoundError:
+        return {}
     except ValueError as e:
         raise DataError(f"{name} is not valid JSON ({e})")
 
@@ -200,8 +194,7 @@ class Chat:
             raise DataError(f"{path} has no chat template: neither chat_template.jinja nor a "
                             "\"chat_template\" in tokenizer_config.json")
         if not os.path.isfile(tok_file):
-            raise DataError(f"{path} has no tokenizer.json (the fast tokenizer file that the "
-                            "chat lines are tokenized with)")
+            raise DataError(f"{path} has no tokenizer.json (the fast tokenizer chat lines need)")
         self.path, self.kwargs = os.path.abspath(path), dict(kwargs or {})
         self.sha256 = hashlib.sha256(text.encode()).hexdigest()
         try:
@@ -249,12 +242,10 @@ class Chat:
         return self.encode(self.render(_template_messages(msgs), tools_of(obj), True))[0]
 
     def samples(self, obj, turns="all"):
-        """A JSONL conversation -> ([(ids, mask), ...] in conversation order, counts, notes).
-        Assistant turn i is supervised from the end of P = render(messages[:i],
-        add_generation_prompt=True), the prompt the engine gave the target, through the first
-        end-of-turn token of U = render(messages[:i+1]). A turn whose U does not go on from P is
-        not what serving produces (counted, skipped). U rides in a sample whose text it begins
-        (the whole conversation's first), else it is a sample of its own. Raises Bad."""
+        """A JSONL conversation -> ([(ids, mask), ...], counts, notes); raises Bad. Turn i is
+        trained from the end of P = render(messages[:i], add_generation_prompt=True), the engine's
+        prompt, through the first end of turn in U = render(messages[:i+1]); a U that does not go
+        on from P is not as served (skipped). U rides in a sample it begins, else is its own."""
         msgs, tools = _template_messages(conversation(obj)), tools_of(obj)
         idx = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
         if not idx:
@@ -302,10 +293,8 @@ class Chat:
                               "supervised text"))
             p = answer.find(r) if r else -1
             think = int((inside & (a >= s + p) & (a < s + p + len(r))).sum()) if p >= 0 else 0
-            n["thinking_tokens"] += think
-            n["answer_tokens"] += int(inside.sum()) - think
-            n["length"] += m.get("finish_reason") == "length"
-            n["trained"] += 1
+            n.update(thinking_tokens=think, answer_tokens=int(inside.sum()) - think, trained=1,
+                     length=m.get("finish_reason") == "length")
         return ids, mask.astype(np.uint8)
 
 # -----------------------------------------------------------------------------
@@ -324,8 +313,7 @@ def _parse(line, chat, bound, turns, input, lineno):
         if ids.ndim != 1 or len(ids) == 0 or ids.dtype.kind not in "iu":
             raise Bad("bad input_ids", "must be a non-empty list of integers")
         if mask.shape != ids.shape:
-            raise Bad("loss_mask length mismatch",
-                      f"{mask.size} mask values for {len(ids)} input_ids")
+            raise Bad("loss_mask length mismatch", f"{mask.size} mask values for {len(ids)} ids")
         if not np.isin(mask, (0, 1)).all():
             raise Bad("bad loss_mask", "values must be 0 or 1")
         samples = [(ids, mask)]
@@ -335,8 +323,7 @@ def _parse(line, chat, bound, turns, input, lineno):
                             "directory with tokenizer.json and the chat template)")
         samples, counts, notes = chat.samples(obj, turns)
     else:
-        raise Bad("neither input_ids nor messages",
-                  "a line must be an object with \"input_ids\" or \"messages\"")
+        raise Bad("neither input_ids nor messages", 'need an object with "input_ids" or "messages"')
     for ids, mask in samples:
         if ids.min() < 0 or ids.max() >= bound:
             bad = ids[(ids < 0) | (ids >= bound)][0]
@@ -351,13 +338,14 @@ def _init(chat, *args):  # chat: a Chat, None, or (path, kwargs) to build one in
     _args = (Chat(*chat) if isinstance(chat, tuple) else chat, *args)
 
 def _work(chunk):
-    """[(lineno, line)] -> [(lineno, _parse's result, its Bad, or None for a blank line)]"""
+    """[(lineno, line)] -> [(lineno, _parse's result; for a bad line (None, {}, [Bad's args]);
+    None for a blank one)]"""
     out = []
     for lineno, line in chunk:
         try:
             out.append((lineno, _parse(line, *_args, lineno) if line.strip() else None))
         except Bad as e:
-            out.append((lineno, e))
+            out.append((lineno, (None, {}, [e.args])))
     return out
 
 def _processed(f, workers, chat, *args):
@@ -389,8 +377,7 @@ def prepare(input, out, tokenizer=None, val=None, vocab_size=None, force=False, 
     if not os.path.isfile(input):
         raise DataError(f"input file {input} not found")
     chat = Chat(tokenizer, chat_template_kwargs) if tokenizer else None
-    bound = min(v for v in (vocab_size, chat and chat.vocab_size, 2**32) if v)
-    n_lines = n_val = 0
+    vocab_size, n_val = vocab_size or (chat and chat.vocab_size), 0
     if val:  # held-out lines are spread evenly over the file: that needs its line count first
         with open(input, "rb") as f:
             n_lines = sum(1 for _ in f)
@@ -402,33 +389,28 @@ def prepare(input, out, tokenizer=None, val=None, vocab_size=None, force=False, 
     bad, shown, counts, writers = Counter(), Counter(), [Counter(), Counter()], []
     total = blank = 0
     t0 = last = time.time()
-
-    def report(lineno, kind, detail):  # the first 10 lines of each kind; the rest only counted
-        shown[kind] += 1
-        if shown[kind] <= 10:
-            log(f"{input}:{lineno}: {kind}: {detail}")
     try:
         for s in splits:
-            writers.append(Writer(os.path.join(out, s), vocab_size or (chat and chat.vocab_size),
-                                  force))
+            writers.append(Writer(os.path.join(out, s), vocab_size, force))
         with open(input, "rb") as f:
-            for lineno, res in _processed(f, workers, chat, bound, turns, input):
+            for lineno, res in _processed(f, workers, chat, vocab_size or 2**32, turns, input):
                 if res is None:
                     blank += 1
                     continue
                 total += 1
-                if isinstance(res, Bad):
-                    bad[res.args[0]] += 1
-                    report(lineno, *res.args)
-                    continue
                 samples, c, notes = res
-                for note in notes:  # turns skipped or not intact: reported here, counted in c
-                    report(lineno, *note)
+                if samples is None:
+                    bad[notes[0][0]] += 1
+                # why a line is bad, or a turn skipped or not intact: the first 10 of each kind
+                for kind, detail in notes:
+                    shown[kind] += 1
+                    if shown[kind] <= 10:
+                        log(f"{input}:{lineno}: {kind}: {detail}")
                 # line i is held out when floor(i * n_val / n_lines) steps up: exactly n_val lines
                 i = lineno - 1
                 held_out = bool(n_val) and (i + 1) * n_val // n_lines > i * n_val // n_lines
                 counts[held_out].update(c)
-                for ids, mask in samples:
+                for ids, mask in samples or ():
                     writers[held_out].add(ids, mask)
                 if time.time() - last > 5:
                     last, n_tok = time.time(), sum(w.n_tokens for w in writers)
@@ -481,8 +463,9 @@ def prepare(input, out, tokenizer=None, val=None, vocab_size=None, force=False, 
 # stats: what the drafter will learn, before a GPU hour is spent on it
 
 def stats(path, budget=8192, tokenizer=None, show=0, log=print):
-    """Counts, length percentiles, what --budget cuts, thinking vs answer tokens; then sample `show`
-    printed back as text with the supervised spans between « and » (None: no sample)."""
+    """What a prepared dataset will teach: counts, length percentiles, what --budget cuts,
+    thinking vs answer tokens, and one sample printed back with its supervised spans between «
+    and » (show: which; None: none)."""
     ds = open_dataset(path)
     L, sup, n_tok = ds.lengths, ds.n_supervised, int(ds.meta["n_tokens"])
     log(f"{ds.path}: {len(ds)} samples, {n_tok} tokens, {sup} supervised ({sup / n_tok:.1%})")
@@ -527,11 +510,9 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["stats"]:
         run, argv = stats, argv[1:]
-        ap = ArgParser(prog="prepare.py stats", description="What a prepared dataset will teach: "
-                       "counts, lengths, the --budget cut, thinking vs answer tokens, one sample "
-                       "printed back with its supervised spans between « and ».")
+        ap = ArgParser(prog="prepare.py stats", description=stats.__doc__)
         arg = ap.add_argument
-        arg("path", metavar="DIR", help="dataset directory (prepare's OUT, or OUT/train, OUT/val)")
+        arg("path", metavar="DIR", help="prepare's OUT, or OUT/train, OUT/val")
         arg("--budget", type=number(int, 1), default=8192,
             help="tokens per row you will train with (default 8192)")
         arg("--tokenizer", help="checkpoint dir to decode the sample with (default: prepare's)")
@@ -540,9 +521,9 @@ def main(argv=None):
         run = prepare
         ap = ArgParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
         arg = ap.add_argument
-        arg("--input", required=True, help="JSONL file, one sample per line (input_ids or messages)")
+        arg("--input", required=True, help="JSONL, one sample a line (input_ids or messages)")
         arg("--out", required=True, help="output directory; gets train/ and, with --val, val/")
-        arg("--tokenizer", help="checkpoint dir whose chat template and tokenizer render chat lines")
+        arg("--tokenizer", help="checkpoint dir whose chat template and tokenizer render chats")
         arg("--chat-template-kwargs", type=kwargs_arg, default={},
             help="JSON object of template variables: those you serve with")
         arg("--turns", choices=("all", "last"), default="all",
@@ -550,8 +531,7 @@ def main(argv=None):
         arg("--workers", type=number(int, 1), default=1,
             help="processes rendering and tokenizing (default 1)")
         arg("--val", type=_val_arg, help="held-out lines: a count or a fraction in (0, 1)")
-        arg("--vocab-size", type=int,
-            help="ids >= this make a line bad (default: tokenizer size, else none)")
+        arg("--vocab-size", type=int, help="ids >= this make a line bad (default: the tokenizer's)")
         arg("--max-bad", type=float, default=0.01,
             help="fail if more than this fraction of lines is bad (default 0.01)")
         arg("--force", action="store_true", help="overwrite existing DIR/train and DIR/val")

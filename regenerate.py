@@ -5,24 +5,20 @@ of a real run, before prepare.py. Needs the openai and tqdm packages.
     python regenerate.py --input prompts.jsonl --out answers.jsonl --server localhost:30000 \\
         --model /ckpt/Qwen3.6-27B
 
-Each line of --input (messages, ShareGPT conversations or a prompt; its "tools" are sent along)
-is written to --out as {"input_line": N, <its other fields>, "messages": [...]} with its answers
-replaced by the target's, as lines finish. Every assistant turn is answered again in order, each
-request holding the target's own earlier answers, and a conversation ending on a user turn gets a
-final answer; one with tool calls or results only its final answer (the results answer the
-original calls). An answer is {"role", "content", "reasoning_content" (any server's field, or an
-inline <think>...</think>), "tool_calls", "finish_reason" ("length": cut at --max-tokens),
-"usage"}. Defaults are SpecForge's (scripts/regenerate_train_data.py). A server started with
---api-key: set OPENAI_API_KEY.
+Each line of --input (messages, ShareGPT conversations or a prompt, and its "tools") is written
+to --out as it finishes: {"input_line": N, <its other fields>, "messages": [...]}, every assistant
+turn answered again in order with the target's own earlier answers in the request, plus a final
+answer after a last user turn (with tool calls or results only the final answer: the results
+answer the original calls). Answers keep the thinking as "reasoning_content" (any server's field,
+or an inline <think>), "finish_reason" ("length": cut at --max-tokens) and "usage". Defaults are
+SpecForge's (scripts/regenerate_train_data.py). Behind --api-key: set OPENAI_API_KEY.
 
 With thinking on (no "enable_thinking": false in --chat-template-kwargs), a server whose first 8
 finished answers carry no reasoning is stopped before any of its lines is written: it runs
-without a reasoning parser (start it with --reasoning-parser qwen3), so the thinking is lost.
-HTTP 5xx, 408 and 429, timeouts, lost connections and replies that are no chat completion are
-retried (--retries, --backoff); another 4xx fails the line at once. Safe to stop at any time:
---resume skips the lines OUT holds and drops a half-written last one. A request failing after
---retries goes to OUT.failed.jsonl with the input's bad lines; the exit status is then 1, and
---resume retries them.
+without --reasoning-parser qwen3, so the thinking is lost. Failed requests are retried (--retries,
+--backoff) unless the server refuses them (HTTP 4xx but 408, 429). Safe to stop at any time:
+--resume skips the lines OUT holds. Lines that still fail go to OUT.failed.jsonl with the input's
+bad lines; the exit status is then 1, and --resume retries them.
 """
 import argparse
 import asyncio
@@ -34,7 +30,7 @@ import re
 import ssl
 import sys
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 
 from data import ArgParser, Bad, DataError, kwargs_arg, load_line, number, package
 from prepare import conversation, split_think, tools_of
@@ -47,9 +43,8 @@ def _server_url(s):  # --server: host:port, http://host:port or http://host:port
     return s if s.endswith("/v1") else s + "/v1"
 
 def _wire(m):
-    """A message as sent back in a later request: the target's reasoning under both names
-    (SGLang reads reasoning_content, vLLM >= 0.11 reasoning); the chat template decides whether
-    it renders (Qwen3.5/3.6 drop earlier turns' thinking unless preserve_thinking)."""
+    """A message as sent back in a later request: the reasoning under SGLang's and vLLM's names
+    (the chat template decides whether it renders: Qwen drops earlier turns' thinking)."""
     r = m.get("reasoning_content", m.get("reasoning"))
     m = {k: v for k, v in m.items() if k not in ("finish_reason", "usage")}
     return {**m, "reasoning_content": r, "reasoning": r} if r is not None else m
@@ -73,25 +68,19 @@ def _done_lines(out, resume, log):
     if not resume:
         raise DataError(f"{out} already exists; pass --resume to continue it "
                         "(or remove it to start over)")
-    done, good = set(), 0
-    with open(out, "rb") as f:
-        for i, line in enumerate(f, 1):
-            if not line.endswith(b"\n"):
-                break  # one write per line, so only the last can be partial
+    done = set()
+    with open(out, "r+b") as f:
+        for i, line in enumerate(iter(f.readline, b""), 1):
+            if not line.endswith(b"\n"):  # one write per line, so only the last can be partial
+                log(f"{out}: dropped a half-written last line; its prompt is asked again")
+                f.truncate(f.tell() - len(line))
+                break
             m = re.match(rb'\{"input_line": (\d+),', line)
             if not m:
                 raise DataError(f"{out}:{i}: not a line regenerate wrote (no leading "
                                 '"input_line"); give another --out')
             done.add(int(m[1]))
-            good += len(line)
-    if good < os.path.getsize(out):
-        log(f"{out}: dropped a half-written last line; its prompt is asked again")
-        with open(out, "r+b") as f:
-            f.truncate(good)
     return done
-
-class _Failed(Exception):
-    """A request that failed for good: args = (one line naming the server and why,)"""
 
 def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temperature=0.7,
                top_p=None, top_k=None, chat_template_kwargs=None, timeout=3600.0, retries=5,
@@ -108,11 +97,11 @@ def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temp
     sampling = {k: v for k, v in dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                       top_k=top_k, chat_template_kwargs=chat_template_kwargs
                                       ).items() if v is not None}
-    thinking = (chat_template_kwargs or {}).get("enable_thinking", True) is not False
-    # lines, answers, ...; per server: the lines written once it shows reasoning, those that
-    # did, its finished answers without reasoning, its lines failed in a row
-    n, held, verified = Counter(), {url: [] for url in servers}, set() if thinking else set(servers)
-    unthinking, streak = Counter(), Counter()
+    # counts; per server: lines held until it shows reasoning, finished answers without, failed
+    # lines in a row; the servers that showed reasoning (with thinking off: all)
+    n, held, unthinking, streak = Counter(), defaultdict(list), Counter(), Counter()
+    thinking = (chat_template_kwargs or {}).get("enable_thinking") is not False
+    verified = set() if thinking else set(servers)
 
     def pending():  # (line number, line) of the input lines still to answer
         with open(input, "rb") as f:
@@ -125,9 +114,10 @@ def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temp
                 obj = load_line(line)
                 yield (lineno, obj, *_turns(obj, turns == "last"))
             except Bad as e:
-                fail(lineno, f"{e.args[0]}: {e.args[1]}", "bad")
+                fail(lineno, e, "bad")
 
-    def fail(lineno, why, kind="failed"):
+    def fail(lineno, e, kind):  # e: Bad(what is bad in the line, or the server; why)
+        why = ": ".join(e.args)
         n[kind] += 1
         if n["failed"] + n["bad"] <= 20:
             tqdm.write(f"{input}:{lineno}: {why}")
@@ -167,11 +157,11 @@ def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temp
             except openai.APIStatusError as e:
                 why = f"HTTP {e.status_code}: {e.response.text[:200]!r}"
                 if e.status_code < 500 and e.status_code not in (408, 429):
-                    raise _Failed(f"{url}: {why}")  # the request itself is wrong: retry is futile
+                    raise Bad(url, why)  # the request itself is wrong: retrying is futile
             except (ValueError, LookupError, TypeError):
                 pass
         else:
-            raise _Failed(f"{url}: {why} (after {retries} retries)")
+            raise Bad(url, f"{why} (after {retries} retries)")
         content = msg.get("content") or ""
         reasoning = msg.get("reasoning_content") or msg.get("reasoning")
         if not reasoning and "</think>" in content:
@@ -207,8 +197,8 @@ def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temp
                 for m in rest:  # each answer asked with the target's own earlier answers
                     msgs.append(await ask(client, url, msgs, tools) if m["role"] == "assistant"
                                 else m)
-            except _Failed as e:
-                fail(lineno, e.args[0])
+            except Bad as e:  # the request failed for good: (server, why)
+                fail(lineno, e, "failed")
                 streak[url] += 1
                 if streak[url] < 2 * concurrency:
                     continue
@@ -217,18 +207,17 @@ def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temp
                     tqdm.write(f"{url}: the last {streak[url]} lines all failed; no more "
                                "requests go there")
                 if all(streak[u] >= 2 * concurrency for u in servers):
-                    raise DataError(f"every server fails every request (last: {e.args[0]}); "
-                                    "fix them, then rerun with --resume")
+                    raise DataError(f"every server fails every request (last: "
+                                    f"{': '.join(e.args)}); fix them, then rerun with --resume")
                 return
             streak[url] = 0
             keep = {k: v for k, v in obj.items()
                     if k not in ("input_line", "messages", "conversations", "prompt")}
-            held[url].append(json.dumps({"input_line": lineno, **keep, "messages": msgs},
-                                        ensure_ascii=False) + "\n")
+            held[url] += [json.dumps({"input_line": lineno, **keep, "messages": msgs},
+                                     ensure_ascii=False) + "\n"]
             if url in verified:  # lines wait until their server has shown its reasoning
-                outf.writelines(held[url])
+                outf.writelines(held.pop(url))
                 outf.flush()
-                held[url].clear()
             n["lines"] += 1
             tick()
 
@@ -305,9 +294,9 @@ def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temp
 def main(argv=None):
     ap = ArgParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     arg = ap.add_argument
-    arg("--input", required=True, help="JSONL of messages, ShareGPT conversations or prompt lines")
+    arg("--input", required=True, help="JSONL of messages, ShareGPT conversations or prompts")
     arg("--out", required=True, help="output JSONL, appended to; failures: OUT.failed.jsonl")
-    arg("--server", dest="servers", required=True, action="append",
+    arg("--server", dest="servers", metavar="URL", required=True, action="append",
         help="http://host:port[/v1] of an SGLang/vLLM server; repeat for several")
     arg("--model", required=True, help="the model name the servers serve")
     arg("--concurrency", type=number(int, 1), default=64,
@@ -317,7 +306,8 @@ def main(argv=None):
     arg("--temperature", type=float, default=0.7, help="default 0.7")
     arg("--top-p", type=float, help="default: not sent (server's)")
     arg("--top-k", type=int, help="default: not sent (server's)")
-    arg("--chat-template-kwargs", type=kwargs_arg, help="JSON object for the server's chat template")
+    arg("--chat-template-kwargs", type=kwargs_arg,
+        help="JSON object for the server's chat template (default: none sent)")
     arg("--turns", choices=("all", "last"), default="all",
         help="all: answer every assistant turn in order (default); last: the final one")
     arg("--timeout", type=number(float, 0, above=True), default=3600,
