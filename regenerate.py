@@ -1,24 +1,21 @@
 """
-The target's own answers, through its OpenAI-compatible server(s) (SGLang, vLLM): the first step
-of a real run, before prepare.py. Needs the openai and tqdm packages.
+The target's own answers, through its OpenAI-compatible server(s) (SGLang, vLLM), for prepare.py
+(needs the openai and tqdm packages; a server started with --api-key: set OPENAI_API_KEY):
 
     python regenerate.py --input prompts.jsonl --out answers.jsonl --server localhost:30000 \\
         --model /ckpt/Qwen3.6-27B
 
-Each line of --input (messages, ShareGPT conversations or a prompt, and its "tools") is written
-to --out as it finishes: {"input_line": N, <its other fields>, "messages": [...]}, every assistant
-turn answered again in order with the target's own earlier answers in the request, plus a final
-answer after a last user turn (with tool calls or results only the final answer: the results
-answer the original calls). Answers keep the thinking as "reasoning_content" (any server's field,
-or an inline <think>), "finish_reason" ("length": cut at --max-tokens) and "usage". Defaults are
-SpecForge's (scripts/regenerate_train_data.py). Behind --api-key: set OPENAI_API_KEY.
-
-With thinking on (no "enable_thinking": false in --chat-template-kwargs), a server whose first 8
-finished answers carry no reasoning is stopped before any of its lines is written: it runs
-without --reasoning-parser qwen3, so the thinking is lost. Failed requests are retried (--retries,
---backoff) unless the server refuses them (HTTP 4xx but 408, 429). Safe to stop at any time:
---resume skips the lines OUT holds. Lines that still fail go to OUT.failed.jsonl with the input's
-bad lines; the exit status is then 1, and --resume retries them.
+Each input line (messages, ShareGPT conversations or a prompt; its "tools" are sent) is written
+to OUT as it finishes, {"input_line": N, <its other fields>, "messages": [...]}, with every
+assistant turn answered again in order and a final answer after a last user turn (if it has tool
+calls or results, only the final answer: the results answer the original calls). Answers keep
+"reasoning_content" (any server's field, or inline <think>), "finish_reason" ("length": cut at
+--max-tokens) and "usage". Defaults are SpecForge's (scripts/regenerate_train_data.py).
+With thinking on, a server whose first 8 finished answers carry no reasoning (it runs without
+--reasoning-parser qwen3) is stopped before any of its lines is written. Failed requests are
+retried unless refused (HTTP 4xx but 408, 429); lines that still fail go to OUT.failed.jsonl with
+the input's bad lines, and the exit status is 1. Safe to stop at any time: --resume asks only for
+the lines OUT lacks, failed ones included.
 """
 import argparse
 import asyncio
@@ -50,8 +47,8 @@ def _wire(m):
     return {**m, "reasoning_content": r, "reasoning": r} if r is not None else m
 
 def _turns(obj, last):
-    """A prompt line -> (the history before the first answer, the messages after it, each
-    assistant one to be answered again, tools); which turns: the module's docstring."""
+    """A prompt line -> (history before the first answer to regenerate, the messages from it on,
+    tools); which turns: the module's docstring."""
     msgs, tools = conversation(obj), tools_of(obj)
     if last or any(m["role"] == "tool" or m.get("tool_calls") for m in msgs):
         i = len(msgs) - (msgs[-1]["role"] == "assistant")
@@ -93,6 +90,17 @@ def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temp
     failed_path = out.removesuffix(".jsonl") + ".failed.jsonl"
     done = _done_lines(out, resume, log)
     servers = list(dict.fromkeys(map(_server_url, servers)))
+    key = os.environ.get("OPENAI_API_KEY", "none")  # for a server started with --api-key
+    for url in servers:  # first: each server is up and serves --model
+        try:
+            with openai.OpenAI(base_url=url, api_key=key, max_retries=0, timeout=10) as c:
+                served = [m.id for m in c.models.list().data]
+        except Exception as e:  # refused, HTTP error, not JSON: none of it is usable
+            raise DataError(f"server {url} is unreachable: GET {url}/models failed "
+                            f"({e.__cause__ or e}); start it (README: regenerate) or fix --server")
+        if model not in served:
+            raise DataError(f"{url} does not serve --model {model}; it serves "
+                            f"{', '.join(served) or 'nothing'}")
     # top_k and chat_template_kwargs are SGLang's / vLLM's extensions of the OpenAI request
     sampling = {k: v for k, v in dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                       top_k=top_k, chat_template_kwargs=chat_template_kwargs
@@ -100,8 +108,7 @@ def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temp
     # counts; per server: lines held until it shows reasoning, finished answers without, failed
     # lines in a row; the servers that showed reasoning (with thinking off: all)
     n, held, unthinking, streak = Counter(), defaultdict(list), Counter(), Counter()
-    thinking = (chat_template_kwargs or {}).get("enable_thinking") is not False
-    verified = set() if thinking else set(servers)
+    verified = set(servers if (chat_template_kwargs or {}).get("enable_thinking") is False else ())
 
     def pending():  # (line number, line) of the input lines still to answer
         with open(input, "rb") as f:
@@ -226,21 +233,8 @@ def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temp
     def client(url):
         # a client, so a connection pool, per POOL workers: a pool's work per request grows with
         # its connections, and POOL workers open at most POOL (under openai's default limits)
-        key = os.environ.get("OPENAI_API_KEY", "none")  # for a server started with --api-key
         return openai.AsyncOpenAI(base_url=url, api_key=key, timeout=timeout, max_retries=0,
                                   http_client=openai.DefaultAsyncHttpxClient(verify=tls))
-
-    async def check(url):  # once at start: the server is up and serves --model
-        async with client(url) as c:
-            try:
-                served = [m.id for m in (await c.models.list(timeout=10)).data]
-            except Exception as e:  # refused, HTTP error, not JSON: none of it is usable
-                raise DataError(f"server {url} is unreachable: GET {url}/models failed "
-                                f"({e.__cause__ or e}); start it (README: regenerate) or fix "
-                                "--server")
-        if model not in served:
-            raise DataError(f"{url} does not serve --model {model}; it serves "
-                            f"{', '.join(served) or 'nothing'}")
 
     async def run():
         clients, tasks = [], []
@@ -256,8 +250,6 @@ def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temp
             for c in clients:
                 await c.close()
 
-    for url in servers:
-        asyncio.run(check(url))
     todo, it = sum(1 for _ in pending()), jobs()
     if done:
         log(f"resuming: {len(done)} lines already in {out}, {todo} to go")
