@@ -5,15 +5,14 @@ JSONL -> a dataset for train.py in data.py's format: DIR/train and, with --val, 
         --chat-template-kwargs '{"enable_thinking": true}' --val 0.005 --workers 16
     python prepare.py stats data/mix --budget 8192     # what it will teach (prepare.py stats -h)
 
-A line is {"input_ids": [...], "loss_mask": [...]} (mask optional, default all ones), or a chat:
-{"messages": [...], "tools": [...]} (OpenAI format; ShareGPT "conversations" too), rendered by
-the --tokenizer checkpoint's own chat template (chat_template.jinja, else tokenizer_config.json's)
-and tokenizer.json as the serving engine renders it, with the loss mask on exactly the tokens the
-target generated (pip install tokenizers jinja2; pretokenized lines need neither). --turns all
-trains each assistant turn in the context serving gave it (a turn the template re-renders once
-later turns exist, as Qwen drops earlier thinking, gets a sample of its own); --turns last trains
-the final turn only. Every bad line is reported by number and counted; more than --max-bad of
-them fails the command, and nothing is written.
+A line is {"input_ids": [...], "loss_mask": [...]} (mask optional, default all ones), or a chat,
+{"messages": [...], "tools": [...]} (OpenAI format; ShareGPT "conversations" too), rendered with
+the --tokenizer checkpoint's own chat template and tokenizer.json as the serving engine renders
+it, the loss mask on exactly the tokens the target generated (pip install tokenizers jinja2).
+--turns all trains each assistant turn in the context serving gave it (a turn the template
+re-renders once later turns exist, as Qwen drops earlier thinking, gets a sample of its own);
+--turns last the final turn only. Every bad line is reported by number and counted; more than
+--max-bad of them fails the command, and nothing is written.
 """
 import argparse
 import hashlib
