@@ -348,10 +348,10 @@ def _work(chunk):
     return out
 
 def _processed(f, workers, chat, *args):
-    """_work over f's lines in chunks of 64, in order: in this process, or in a pool of `workers`
-    with at most 2 chunks per worker in flight, so memory stays flat."""
+    """_work over f's lines, in order: one at a time in this process, or chunks of 64 in a pool of
+    `workers` with at most 2 chunks per worker in flight, so memory stays flat."""
     lines = enumerate(f, 1)
-    chunks = iter(lambda: list(itertools.islice(lines, 64)), [])
+    chunks = iter(lambda: list(itertools.islice(lines, 64 if workers > 1 else 1)), [])
     if workers <= 1:
         _init(chat, *args)
         yield from itertools.chain.from_iterable(map(_work, chunks))
