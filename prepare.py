@@ -79,7 +79,7 @@ def tools_of(obj):
 # loss mask on exactly what the target generated
 
 def _jinja_env():
-    """transformers' apply_chat_template environment (chat_template_utils.py): the engines'."""
+    """transformers' apply_chat_template environment (chat_template_utils.py): SGLang's, vLLM's."""
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -106,8 +106,9 @@ def _jinja_env():
 
 def _template_messages(msgs):
     """Messages as the engines hand them to the template: tool-call arguments parsed from JSON
-    (as vLLM's _postprocess_messages and SGLang do: no calls dropped, no arguments {}), the first
-    of reasoning_content, thinking, reasoning under the first two (transformers' aliases)."""
+    (vLLM's _postprocess_messages, SGLang: an empty list of calls dropped, missing arguments {}),
+    the first of reasoning_content, thinking, reasoning under the first two (transformers'
+    aliases)."""
     out = []
     for i, m in enumerate(msgs):
         m = dict(m)

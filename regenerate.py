@@ -150,13 +150,6 @@ def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temp
                 # the client's plain POST: the body as we built it and the reply as text (any
                 # server's reasoning field), without openai's per-request transform and parse
                 text = await client.post("/chat/completions", body=req, cast_to=str)
-                why = f"non-JSON reply {text[:200]!r}"  # if the next line raises; and so on
-                body = json.loads(text)
-                why = f"reply without choices[0].message: {text[:200]!r}"
-                choice = body["choices"][0]
-                msg, usage = choice["message"], body.get("usage") or {}
-                if isinstance(msg, dict) and isinstance(usage, dict):
-                    break
             except openai.APITimeoutError:
                 why = f"no reply within --timeout {timeout:g}s"
             except openai.APIConnectionError as e:
@@ -165,8 +158,17 @@ def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temp
                 why = f"HTTP {e.status_code}: {e.response.text[:200]!r}"
                 if e.status_code < 500 and e.status_code not in (408, 429):
                     raise Bad(url, why)  # the request itself is wrong: retrying is futile
-            except (ValueError, LookupError, TypeError):
-                pass
+            else:
+                try:  # `why` is what failed if the next line raises
+                    why = f"non-JSON reply {text[:200]!r}"
+                    body = json.loads(text)
+                    why = f"reply without choices[0].message: {text[:200]!r}"
+                    choice = body["choices"][0]
+                    msg, usage = choice["message"], body.get("usage") or {}
+                    if isinstance(msg, dict) and isinstance(usage, dict):
+                        break
+                except (ValueError, LookupError, TypeError):
+                    pass
         else:
             raise Bad(url, f"{why} (after {retries} retries)")
         content = msg.get("content") or ""
