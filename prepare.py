@@ -5,18 +5,14 @@ JSONL -> a dataset for train.py in data.py's format: DIR/train and, with --val, 
         --chat-template-kwargs '{"enable_thinking": true}' --val 0.005 --workers 16
     python prepare.py stats data/mix --budget 8192     # what it will teach (prepare.py stats -h)
 
-A line is {"input_ids": [...], "loss_mask": [...]} (mask optional, default all ones), or a chat:
-{"messages": [...], "tools": [...]} (OpenAI format; ShareGPT "conversations" too), rendered by
-the --tokenizer checkpoint's own chat template (chat_template.jinja, else tokenizer_config.json's)
-and tokenizer.json as the serving engine renders it (class Chat), with the loss mask on exactly
-the tokens the target generated. Chat lines need the tokenizers and jinja2 packages (pip install
-tokenizers jinja2); pretokenized lines neither.
-
---turns all trains each assistant turn in the context serving gave it: turns the template renders
-the same once later turns exist share the conversation's sample, a turn it re-renders (Qwen drops
-earlier thinking) gets a sample of its own. --turns last trains the final turn only.
-Every bad line is reported by number and counted; more than --max-bad of them fails the command,
-and nothing is written.
+A line is {"input_ids": [...], "loss_mask": [...]} (mask optional, default all ones), or a chat,
+{"messages": [...], "tools": [...]} (OpenAI format; ShareGPT "conversations" too), rendered with
+the --tokenizer checkpoint's own chat template and tokenizer.json as the serving engine renders
+it, the loss mask on exactly the tokens the target generated (pip install tokenizers jinja2).
+--turns all trains each assistant turn in the context serving gave it (a turn the template
+re-renders once later turns exist, as Qwen drops earlier thinking, gets a sample of its own);
+--turns last the final turn only. Every bad line is reported by number and counted; more than
+--max-bad of them fails the command, and nothing is written.
 """
 import argparse
 import hashlib
@@ -44,14 +40,11 @@ SHAREGPT_ROLES = dict(human="user", user="user", gpt="assistant", assistant="ass
                       system="system", tool="tool", function="tool", observation="tool")
 
 def conversation(obj):
-    """A JSONL object -> its messages (OpenAI chat format: dicts with a role and the rest passed
-    through whole: content, reasoning_content, tool_calls, ...). Accepts {"messages": [...]},
-    ShareGPT {"conversations": [{"from": .., "value": ..}]} and {"prompt": str}; raises Bad."""
+    """A JSONL object ({"messages"}, ShareGPT {"conversations"} or {"prompt": str}) -> its OpenAI
+    messages, every key passed through (content, reasoning_content, tool_calls, ...); raises Bad."""
     if not isinstance(obj, dict):
         raise Bad("not a JSON object", f"got {type(obj).__name__}")
-    if "messages" in obj:
-        msgs = obj["messages"]
-    elif "conversations" in obj:
+    if "conversations" in obj and "messages" not in obj:  # ShareGPT
         turns = obj["conversations"]
         if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
             raise Bad("bad conversations", 'need a list of {"from": str, "value": str}')
@@ -60,14 +53,13 @@ def conversation(obj):
             raise Bad("unknown role", f"ShareGPT \"from\" {sorted(map(str, unknown))}, expected "
                       f"one of {sorted(SHAREGPT_ROLES)}")
         msgs = [{"role": SHAREGPT_ROLES[t["from"]], "content": t.get("value")} for t in turns]
-    elif "prompt" in obj:
-        if not isinstance(obj["prompt"], str):
-            raise Bad("bad prompt", "\"prompt\" must be a string")
-        msgs = [{"role": "user", "content": obj["prompt"]}]
+    elif "messages" in obj or not isinstance(obj.get("prompt"), str):
+        msgs = obj.get("messages")
     else:
-        raise Bad("no conversation", 'need "messages", "conversations" or "prompt"')
+        msgs = [{"role": "user", "content": obj["prompt"]}]
     if not (isinstance(msgs, list) and msgs and all(isinstance(m, dict) for m in msgs)):
-        raise Bad("bad messages", "need a non-empty list of message objects")
+        raise Bad("no conversation", 'need "messages" (a non-empty list of objects), '
+                  '"conversations" or a "prompt" string')
     for i, m in enumerate(msgs):
         if m.get("role") not in ROLES:
             raise Bad("unknown role", f"message {i} has role {m.get('role')!r}, expected one of "
@@ -78,8 +70,7 @@ def conversation(obj):
 def tools_of(obj):
     """A JSONL object's "tools" (OpenAI function schemas), or None; raises Bad."""
     tools = obj.get("tools")
-    if tools is not None and not (isinstance(tools, list)
-                                  and all(isinstance(t, dict) for t in tools)):
+    if not (tools is None or isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
         raise Bad("bad tools", '"tools" must be a list of JSON schema objects')
     return tools
 
@@ -88,60 +79,45 @@ def tools_of(obj):
 # loss mask on exactly what the target generated
 
 def _jinja_env():
-    """The environment of transformers' apply_chat_template (v5.24,
-    transformers/utils/chat_template_utils.py), which SGLang and vLLM render templates with."""
+    """transformers' apply_chat_template environment (chat_template_utils.py): SGLang's, vLLM's."""
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class Generation(jinja2.ext.Extension):
         # {% generation %}...{% endgeneration %} marks assistant text for transformers' own masks;
-        # it renders its body unchanged
+        # ours come from comparing renderings, so its body renders unchanged
         tags = {"generation"}
 
         def parse(self, parser):
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
-            call = jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body)
-            return call.set_lineno(lineno)
-
-        def _body(self, caller):
-            return caller()
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
 
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        # not jinja's own tojson, which escapes HTML characters
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                          sort_keys=sort_keys)
-
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[Generation, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    # transformers' tojson, not jinja's, which escapes HTML characters
+    env.filters["tojson"] = lambda x, ensure_ascii=False, **kw: json.dumps(
+        x, ensure_ascii=ensure_ascii, **kw)
+    env.globals.update(raise_exception=raise_exception,
+                       strftime_now=lambda fmt: datetime.now().strftime(fmt))
     return env
 
 def _template_messages(msgs):
-    """Messages as the engine hands them to the template. Tool-call arguments arrive as a JSON
-    string (OpenAI wire format) and templates iterate them as a mapping, so they are parsed first,
-    as vLLM does (vllm/entrypoints/chat_utils.py, _postprocess_messages: an empty list of calls is
-    dropped, missing or empty arguments become {}) and SGLang (serving_chat.py) does. Then the
-    reasoning aliases of transformers 5.24 (_alias_reasoning_fields): the first of
-    reasoning_content, thinking, reasoning is passed under reasoning_content and thinking."""
+    """Messages as the engines hand them to the template: tool-call arguments parsed from JSON
+    (vLLM's _postprocess_messages, SGLang: an empty list of calls dropped, missing arguments {}),
+    the first of reasoning_content, thinking, reasoning under the first two (transformers'
+    aliases)."""
     out = []
     for i, m in enumerate(msgs):
         m = dict(m)
-        calls = m.get("tool_calls")
-        if m["role"] == "assistant" and isinstance(calls, list):
-            m["tool_calls"] = [_parsed_call(c, i, j) for j, c in enumerate(calls)]
-            if not calls:
+        if m["role"] == "assistant" and isinstance(m.get("tool_calls"), list):
+            m["tool_calls"] = [_parsed_call(c, i, j) for j, c in enumerate(m["tool_calls"])]
+            if not m["tool_calls"]:
                 del m["tool_calls"]
-        r = next((m[k] for k in ("reasoning_content", "thinking", "reasoning")
-                  if m.get(k) is not None), None)
-        if r is not None:
-            m = {"thinking": r, **m, "reasoning_content": r}
-        out.append(m)
+        r = next((m[k] for k in ("reasoning_content", "thinking", "reasoning") if k in m), None)
+        out.append(m if r is None else {"thinking": r, **m, "reasoning_content": r})
     return out
 
 def _parsed_call(call, i, j):
@@ -180,16 +156,22 @@ def _answer_parts(m):
                 r, pieces[k] = split_think(p)
     return r.strip(), [p.strip() for p in pieces if p.strip()]
 
+def _json_file(name):  # a checkpoint's optional JSON file: {} when absent
+    try:
+        with open(name) as f:
+            return dict(json.load(f))
+    except FileNotFoundError:
+        return {}
+    except ValueError as e:
+        raise DataError(f"{name} is not valid JSON ({e})")
+
 class Chat:
     """A checkpoint's chat template and tokenizer.json, applied as a serving engine applies them:
-    the template rendered in transformers' jinja environment with the tokenizer's special-token
-    strings (tokenizer_config.json) and the user's --chat-template-kwargs as variables, the text
-    tokenized with tokenizer.json adding no special tokens (transformers' apply_chat_template does
-    tokenizer(text, add_special_tokens=False))."""
+    rendered with the special tokens' strings and the --chat-template-kwargs as variables, then
+    tokenized adding no special tokens, as transformers' apply_chat_template does."""
 
     def __init__(self, path, kwargs=None, cmd="prepare.py --tokenizer"):
-        jinja2 = package("jinja2", cmd)
-        tokenizers = package("tokenizers", cmd)
+        jinja2, tokenizers = package("jinja2", cmd), package("tokenizers", cmd)
         if tuple(int(x) for x in jinja2.__version__.split(".")[:3] if x.isdigit()) < (3, 1, 6):
             # older versions have sandbox escapes, and templates are code from the Hub
             raise DataError(f"{cmd} needs jinja2>=3.1.6 (have {jinja2.__version__}): "
@@ -197,16 +179,8 @@ class Chat:
         if not os.path.isdir(path):
             raise DataError(f"--tokenizer {path} is not a directory: pass the checkpoint (or "
                             "tokenizer) directory that holds tokenizer.json and the chat template")
-        cfg_path = os.path.join(path, "tokenizer_config.json")
-        gen_path = os.path.join(path, "generation_config.json")
-        cfg, gen = ({}, {})
-        for name, into in ((cfg_path, cfg), (gen_path, gen)):
-            if os.path.isfile(name):
-                try:
-                    with open(name) as f:
-                        into.update(json.load(f))
-                except ValueError as e:
-                    raise DataError(f"{name} is not valid JSON ({e})")
+        cfg_path, tok_file = (os.path.join(path, f"tokenizer{s}.json") for s in ("_config", ""))
+        cfg = _json_file(cfg_path)
         # chat_template.jinja wins over tokenizer_config.json, as in transformers' loader
         self.source = os.path.join(path, "chat_template.jinja")
         if os.path.isfile(self.source):
@@ -219,10 +193,8 @@ class Chat:
         if not isinstance(text, str):
             raise DataError(f"{path} has no chat template: neither chat_template.jinja nor a "
                             "\"chat_template\" in tokenizer_config.json")
-        tok_file = os.path.join(path, "tokenizer.json")
         if not os.path.isfile(tok_file):
-            raise DataError(f"{path} has no tokenizer.json (the fast tokenizer file that the "
-                            "chat lines are tokenized with)")
+            raise DataError(f"{path} has no tokenizer.json (the fast tokenizer chat lines need)")
         self.path, self.kwargs = os.path.abspath(path), dict(kwargs or {})
         self.sha256 = hashlib.sha256(text.encode()).hexdigest()
         try:
@@ -239,9 +211,8 @@ class Chat:
         named = {k: v["content"] if isinstance(v, dict) else v for k, v in named.items()
                  if isinstance(v, str) or isinstance(v, dict) and isinstance(v.get("content"), str)}
         self.variables = {**named, **self.kwargs}
-        # end of a turn: generation_config.json's eos ids (what the engine stops at) and the
-        # tokenizer's eos_token
-        eos = gen.get("eos_token_id")
+        # a turn ends at generation_config.json's eos ids (where the engine stops) or eos_token
+        eos = _json_file(os.path.join(path, "generation_config.json")).get("eos_token_id")
         eos = [eos] if isinstance(eos, int) else list(eos or [])
         eos.append(self.tok.token_to_id(named.get("eos_token", "")))
         self.eos = np.array(sorted({e for e in eos if isinstance(e, int)}), np.int64)
@@ -252,9 +223,8 @@ class Chat:
                                         add_generation_prompt=add_generation_prompt,
                                         **self.variables)
         except Exception as e:  # raise_exception, or the template tripping over this sample
-            detail = str(e).splitlines()[0] if str(e) else ""
             raise Bad("template error", f"rendering messages[:{len(msgs)}]: "
-                      f"{type(e).__name__}: {detail}")
+                      f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
 
     def encode(self, text):
         """ids [T] int64, and each token's character span [T] start, [T] end in text."""
@@ -266,27 +236,21 @@ class Chat:
         """A JSONL object's prompt ids as the engine feeds them to the target: a trailing
         assistant message (a reference answer) dropped, the generation prompt added."""
         msgs = conversation(obj)
-        if msgs[-1]["role"] == "assistant":
-            msgs = msgs[:-1]
+        msgs = msgs[:-1] if msgs[-1]["role"] == "assistant" else msgs
         if not msgs:
             raise Bad("no prompt", "the only message is an assistant answer")
         return self.encode(self.render(_template_messages(msgs), tools_of(obj), True))[0]
 
     def samples(self, obj, turns="all"):
-        """A JSONL conversation -> ([(ids, mask), ...], counts, notes). Assistant turn i is
-        supervised from the end of P = render(messages[:i], add_generation_prompt=True), the
-        prompt the engine gave the target, through the first end-of-turn token of
-        U = render(messages[:i+1]). P must be a prefix of U, else the turn is not what serving
-        produces (counted, skipped). A turn rides in the sample of the whole conversation when U is
-        a prefix of it; a turn the template renders differently once later turns exist (Qwen drops
-        earlier thinking) gets a sample of its own, U. turns="last": only the final assistant turn.
-        Raises Bad."""
+        """A JSONL conversation -> ([(ids, mask), ...], counts, notes); raises Bad. Turn i is
+        trained from the end of P = render(messages[:i], add_generation_prompt=True), the engine's
+        prompt, through the first end of turn in U = render(messages[:i+1]); a U that does not go
+        on from P is not as served (skipped). U rides in a sample it begins, else is its own."""
         msgs, tools = _template_messages(conversation(obj)), tools_of(obj)
         idx = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
         if not idx:
             raise Bad("no assistant turn", "nothing to train on")
-        if turns == "last":
-            idx = idx[-1:]
+        idx = idx[-1:] if turns == "last" else idx
         n, notes = Counter(assistant_turns=len(idx)), []
         last = self.render(msgs[:idx[-1] + 1], tools)
         spans = {last: []}  # sample text -> [(answer start, its text's end, message index)]
@@ -308,7 +272,7 @@ class Chat:
         if not any(spans.values()):
             raise Bad("not as served", notes[0][1])
         out = [self._mask(text, sp, msgs, n, notes) for text, sp in reversed(spans.items()) if sp]
-        return out, n, notes  # in conversation order
+        return out, n, notes
 
     def _mask(self, text, spans, msgs, n, notes):
         ids, a, b = self.encode(text)
@@ -329,17 +293,15 @@ class Chat:
                               "supervised text"))
             p = answer.find(r) if r else -1
             think = int((inside & (a >= s + p) & (a < s + p + len(r))).sum()) if p >= 0 else 0
-            n["thinking_tokens"] += think
-            n["answer_tokens"] += int(inside.sum()) - think
-            n["length"] += m.get("finish_reason") == "length"
-            n["trained"] += 1
+            n.update(thinking_tokens=think, answer_tokens=int(inside.sum()) - think, trained=1,
+                     length=m.get("finish_reason") == "length")
         return ids, mask.astype(np.uint8)
 
 # -----------------------------------------------------------------------------
 # prepare: JSONL -> DIR/train (+ DIR/val), streaming, with every bad line reported by number
 
-def _parse(line, bound, chat, where, turns):
-    """One JSONL line -> ([(ids, mask), ...], counts, notes), or Bad(kind, detail)."""
+def _parse(line, chat, bound, turns, input, lineno):
+    """One JSONL line -> ([(ids, mask), ...], counts, notes); raises Bad."""
     obj, counts, notes = load_line(line), {}, []
     if isinstance(obj, dict) and "input_ids" in obj:
         # ragged or huge values make numpy raise; strings, floats and nesting are caught just below
@@ -351,19 +313,17 @@ def _parse(line, bound, chat, where, turns):
         if ids.ndim != 1 or len(ids) == 0 or ids.dtype.kind not in "iu":
             raise Bad("bad input_ids", "must be a non-empty list of integers")
         if mask.shape != ids.shape:
-            raise Bad("loss_mask length mismatch",
-                      f"{mask.size} mask values for {len(ids)} input_ids")
+            raise Bad("loss_mask length mismatch", f"{mask.size} mask values for {len(ids)} ids")
         if not np.isin(mask, (0, 1)).all():
             raise Bad("bad loss_mask", "values must be 0 or 1")
         samples = [(ids, mask)]
     elif isinstance(obj, dict) and any(k in obj for k in ("messages", "conversations", "prompt")):
         if chat is None:  # a setup error, not a bad line: stop at once rather than skip every line
-            raise DataError(f"{where}: a chat line needs --tokenizer DIR (the checkpoint "
+            raise DataError(f"{input}:{lineno}: a chat line needs --tokenizer DIR (the checkpoint "
                             "directory with tokenizer.json and the chat template)")
         samples, counts, notes = chat.samples(obj, turns)
     else:
-        raise Bad("neither input_ids nor messages",
-                  "a line must be an object with \"input_ids\" or \"messages\"")
+        raise Bad("neither input_ids nor messages", 'need an object with "input_ids" or "messages"')
     for ids, mask in samples:
         if ids.min() < 0 or ids.max() >= bound:
             bad = ids[(ids < 0) | (ids >= bound)][0]
@@ -373,36 +333,32 @@ def _parse(line, bound, chat, where, turns):
     return samples, counts, notes
 
 # --workers: each process renders with a Chat of its own, built once; the parent reads and writes
-_worker = {}
-
-def _init_worker(tokenizer, kwargs, *args):
-    _worker["args"] = (Chat(tokenizer, kwargs) if tokenizer else None, *args)
+def _init(chat, *args):  # chat: a Chat, None, or (path, kwargs) to build one in this process
+    global _args
+    _args = (Chat(*chat) if isinstance(chat, tuple) else chat, *args)
 
 def _work(chunk):
-    """[(lineno, line)] -> [(lineno, _parse's result, its Bad, or None for a blank line)]"""
-    chat, bound, where, turns = _worker["args"]
+    """[(lineno, line)] -> [(lineno, _parse's result; for a bad line (None, {}, [Bad's args]);
+    None for a blank one)]"""
     out = []
     for lineno, line in chunk:
         try:
-            out.append((lineno, _parse(line, bound, chat, f"{where}:{lineno}", turns)
-                        if line.strip() else None))
+            out.append((lineno, _parse(line, *_args, lineno) if line.strip() else None))
         except Bad as e:
-            out.append((lineno, e))
+            out.append((lineno, (None, {}, [e.args])))
     return out
 
 def _processed(f, workers, chat, *args):
-    """_work over the lines of f, in order: one line at a time in this process, or chunks of 64 in
-    a pool of `workers` holding at most 2 chunks per worker in flight, so memory stays flat."""
+    """_work over f's lines, in order: one at a time in this process, or chunks of 64 in a pool of
+    `workers` with at most 2 chunks per worker in flight, so memory stays flat."""
     lines = enumerate(f, 1)
+    chunks = iter(lambda: list(itertools.islice(lines, 64 if workers > 1 else 1)), [])
     if workers <= 1:
-        _worker["args"] = (chat, *args)
-        for line in lines:
-            yield from _work([line])
+        _init(chat, *args)
+        yield from itertools.chain.from_iterable(map(_work, chunks))
         return
     import multiprocessing
-    chunks = iter(lambda: list(itertools.islice(lines, 64)), [])
-    init = (chat and chat.path, chat and chat.kwargs, *args)
-    with multiprocessing.Pool(workers, _init_worker, init) as pool:
+    with multiprocessing.Pool(workers, _init, (chat and (chat.path, chat.kwargs), *args)) as pool:
         pending = deque()
         for chunk in chunks:
             pending.append(pool.apply_async(_work, (chunk,)))
@@ -421,47 +377,41 @@ def prepare(input, out, tokenizer=None, val=None, vocab_size=None, force=False, 
     if not os.path.isfile(input):
         raise DataError(f"input file {input} not found")
     chat = Chat(tokenizer, chat_template_kwargs) if tokenizer else None
-    bound = min(v for v in (vocab_size, chat and chat.vocab_size, 2**32) if v)
-    n_lines = n_val = 0
-    # held-out split: spread n_val lines evenly over the file, which needs its line count first
-    if val:
+    vocab_size, n_val = vocab_size or (chat and chat.vocab_size), 0
+    if val:  # held-out lines are spread evenly over the file: that needs its line count first
         with open(input, "rb") as f:
             n_lines = sum(1 for _ in f)
         n_val = round(val * n_lines) if isinstance(val, float) else val
         if not 0 < n_val < n_lines:
             raise DataError(f"--val {val} selects {n_val} of the {n_lines} lines of {input}; "
                             "need at least 1 and fewer than all")
-    bad, noted, counts = Counter(), Counter(), [Counter(), Counter()]
+    splits = ("train", "val")[:1 + bool(n_val)]
+    bad, shown, counts, writers = Counter(), Counter(), [Counter(), Counter()], []
     total = blank = 0
     t0 = last = time.time()
-    writers = []
     try:
-        for s in ("train", "val")[:1 + bool(n_val)]:
-            writers.append(Writer(os.path.join(out, s), vocab_size or (chat and chat.vocab_size),
-                                  force))
+        for s in splits:
+            writers.append(Writer(os.path.join(out, s), vocab_size, force))
         with open(input, "rb") as f:
-            for lineno, res in _processed(f, workers, chat, bound, input, turns):
+            for lineno, res in _processed(f, workers, chat, vocab_size or 2**32, turns, input):
                 if res is None:
                     blank += 1
                     continue
                 total += 1
-                if isinstance(res, Bad):
-                    kind = res.args[0]
-                    bad[kind] += 1
-                    if bad[kind] <= 10:
-                        log(f"{input}:{lineno}: {kind}: {res.args[1]}")
-                    continue
                 samples, c, notes = res
-                for kind, note in notes:  # turns skipped or not intact: reported, counted below
-                    noted[kind] += 1
-                    if noted[kind] <= 10:
-                        log(f"{input}:{lineno}: {kind}: {note}")
+                if samples is None:
+                    bad[notes[0][0]] += 1
+                # why a line is bad, or a turn skipped or not intact: the first 10 of each kind
+                for kind, detail in notes:
+                    shown[kind] += 1
+                    if shown[kind] <= 10:
+                        log(f"{input}:{lineno}: {kind}: {detail}")
                 # line i is held out when floor(i * n_val / n_lines) steps up: exactly n_val lines
                 i = lineno - 1
-                held_out = n_val and (i + 1) * n_val // n_lines > i * n_val // n_lines
-                counts[bool(held_out)].update(c)
-                for ids, mask in samples:
-                    writers[1 if held_out else 0].add(ids, mask)
+                held_out = bool(n_val) and (i + 1) * n_val // n_lines > i * n_val // n_lines
+                counts[held_out].update(c)
+                for ids, mask in samples or ():
+                    writers[held_out].add(ids, mask)
                 if time.time() - last > 5:
                     last, n_tok = time.time(), sum(w.n_tokens for w in writers)
                     log(f"prepare: {total - bad.total()} lines | "
@@ -481,18 +431,16 @@ def prepare(input, out, tokenizer=None, val=None, vocab_size=None, force=False, 
                             f"more than --max-bad {max_bad:g}; "
                             "fix the input, or raise --max-bad to accept the loss")
         # checked before either split is committed: a lone train/ would train with no eval
-        for w, s in zip(writers, ("train", "val")):
+        for w, s in zip(writers, splits):
             if w.n == 0:
                 raise DataError(f"{input}: every line of the {s} split is bad (see above), so "
                                 f"{w.out} would be empty; fix those lines or change --val")
-        metas = []
-        for w, s, c in zip(writers, ("train", "val"), counts):
-            extra = {}
-            if chat:  # what made these tokens, so stats (and a reader) can tell
-                extra["chat"] = dict(tokenizer=chat.path, template=chat.source,
-                                     template_sha256=chat.sha256, kwargs=chat.kwargs, turns=turns,
-                                     **{k: c[k] for k in CHAT_COUNTS})
-            metas.append(w.commit(source=input, split=s, **extra))
+        # what made these tokens, so stats (and a reader) can tell
+        made = lambda c: dict(chat=dict(tokenizer=chat.path, template=chat.source,
+                                        template_sha256=chat.sha256, kwargs=chat.kwargs,
+                                        turns=turns, **{k: c[k] for k in CHAT_COUNTS}))
+        metas = [w.commit(source=input, split=s, **(made(c) if chat else {}))
+                 for w, s, c in zip(writers, splits, counts)]
     except BaseException:
         for w in writers:
             w.abort()
@@ -515,8 +463,9 @@ def prepare(input, out, tokenizer=None, val=None, vocab_size=None, force=False, 
 # stats: what the drafter will learn, before a GPU hour is spent on it
 
 def stats(path, budget=8192, tokenizer=None, show=0, log=print):
-    """Counts, length percentiles, what --budget cuts, thinking vs answer tokens; then sample `show`
-    printed back as text with the supervised spans between « and » (None: no sample)."""
+    """What a prepared dataset will teach: counts, length percentiles, what --budget cuts,
+    thinking vs answer tokens, and one sample printed back with its supervised spans between «
+    and » (show: which; None: none)."""
     ds = open_dataset(path)
     L, sup, n_tok = ds.lengths, ds.n_supervised, int(ds.meta["n_tokens"])
     log(f"{ds.path}: {len(ds)} samples, {n_tok} tokens, {sup} supervised ({sup / n_tok:.1%})")
@@ -539,14 +488,11 @@ def stats(path, budget=8192, tokenizer=None, show=0, log=print):
     if not 0 <= show < len(ds):
         raise DataError(f"--sample {show}: {ds.path} has samples 0..{len(ds) - 1}")
     ids, mask = ds.sample(show)
-    tokenizer = tokenizer or (chat or {}).get("tokenizer")
-    tok = None
-    if tokenizer and os.path.isfile(os.path.join(tokenizer, "tokenizer.json")):
-        tok = package("tokenizers", "prepare.py stats").Tokenizer.from_file(
-            os.path.join(tokenizer, "tokenizer.json"))
-    edges = np.flatnonzero(np.diff(mask.astype(np.int8))) + 1
+    tok_file = os.path.join(tokenizer or (chat or {}).get("tokenizer") or "", "tokenizer.json")
+    tok = (package("tokenizers", "prepare.py stats").Tokenizer.from_file(tok_file)
+           if tok_file != "tokenizer.json" and os.path.isfile(tok_file) else None)
     text = ""
-    for run in np.split(np.arange(len(ids)), edges):
+    for run in np.split(np.arange(len(ids)), np.flatnonzero(np.diff(mask.astype(np.int8))) + 1):
         piece = (tok.decode(ids[run].tolist(), skip_special_tokens=False) if tok
                  else " ".join(map(str, ids[run].tolist())))
         text += f"«{piece}»" if mask[run[0]] else piece
@@ -563,46 +509,34 @@ def _val_arg(s):  # --val: a number of lines (>= 1) or a fraction of them in (0,
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["stats"]:
-        ap = ArgParser(prog="prepare.py stats", description="What a prepared dataset will teach: "
-                       "counts, lengths, the --budget cut, thinking vs answer tokens, one sample "
-                       "printed back with its supervised spans between « and ».")
-        ap.add_argument("dir", help="dataset directory (prepare's OUT, or OUT/train, OUT/val)")
-        ap.add_argument("--budget", type=number(int, 1), default=8192,
-                        help="tokens per row you will train with (default 8192)")
-        ap.add_argument("--tokenizer", default=None,
-                        help="checkpoint dir to decode the sample with (default: prepare's)")
-        ap.add_argument("--sample", type=int, default=0, help="which sample to print (default 0)")
-        args = ap.parse_args(argv[1:])
-        run = lambda: stats(args.dir, args.budget, args.tokenizer, args.sample)
+        run, argv = stats, argv[1:]
+        ap = ArgParser(prog="prepare.py stats", description=stats.__doc__)
+        arg = ap.add_argument
+        arg("path", metavar="DIR", help="prepare's OUT, or OUT/train, OUT/val")
+        arg("--budget", type=number(int, 1), default=8192,
+            help="tokens per row you will train with (default 8192)")
+        arg("--tokenizer", help="checkpoint dir to decode the sample with (default: prepare's)")
+        arg("--sample", dest="show", type=int, default=0, help="which sample to print (default 0)")
     else:
+        run = prepare
         ap = ArgParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-        ap.add_argument("--input", required=True,
-                        help="JSONL file, one sample per line (input_ids or messages)")
-        ap.add_argument("--out", required=True,
-                        help="output directory; gets train/ and, with --val, val/")
-        ap.add_argument("--tokenizer", default=None,
-                        help="checkpoint dir whose chat template and tokenizer render chat lines")
-        ap.add_argument("--chat-template-kwargs", type=kwargs_arg, default={},
-                        help="JSON object of template variables: those you serve with")
-        ap.add_argument("--turns", choices=("all", "last"), default="all",
-                        help="assistant turns to train: all, each as served (default), or last")
-        ap.add_argument("--workers", type=number(int, 1), default=1,
-                        help="processes rendering and tokenizing (default 1)")
-        ap.add_argument("--val", type=_val_arg, default=None,
-                        help="held-out lines: a count or a fraction in (0, 1); default none")
-        ap.add_argument("--vocab-size", type=int, default=None,
-                        help="ids >= this make a line bad (default: tokenizer size, else none)")
-        ap.add_argument("--max-bad", type=float, default=0.01,
-                        help="fail if more than this fraction of lines is bad (default 0.01)")
-        ap.add_argument("--force", action="store_true",
-                        help="overwrite existing DIR/train and DIR/val")
-        args = ap.parse_args(argv)
-        run = lambda: prepare(args.input, args.out, args.tokenizer, args.val, args.vocab_size,
-                              args.force, args.max_bad,
-                              chat_template_kwargs=args.chat_template_kwargs, turns=args.turns,
-                              workers=args.workers)
+        arg = ap.add_argument
+        arg("--input", required=True, help="JSONL, one sample a line (input_ids or messages)")
+        arg("--out", required=True, help="output directory; gets train/ and, with --val, val/")
+        arg("--tokenizer", help="checkpoint dir whose chat template and tokenizer render chats")
+        arg("--chat-template-kwargs", type=kwargs_arg, default={},
+            help="JSON object of template variables: those you serve with")
+        arg("--turns", choices=("all", "last"), default="all",
+            help="assistant turns to train: all, each as served (default), or last")
+        arg("--workers", type=number(int, 1), default=1,
+            help="processes rendering and tokenizing (default 1)")
+        arg("--val", type=_val_arg, help="held-out lines: a count or a fraction in (0, 1)")
+        arg("--vocab-size", type=int, help="ids >= this make a line bad (default: the tokenizer's)")
+        arg("--max-bad", type=float, default=0.01,
+            help="fail if more than this fraction of lines is bad (default 0.01)")
+        arg("--force", action="store_true", help="overwrite existing DIR/train and DIR/val")
     try:
-        run()
+        run(**vars(ap.parse_args(argv)))
     except DataError as e:
         sys.exit(f"error: {e}")
 

@@ -1,40 +1,25 @@
 """
-The target's own answers, through its OpenAI-compatible server(s) (SGLang, vLLM): the first step
-of a real run, before prepare.py. Needs the openai and tqdm packages.
+The target's own answers, through its OpenAI-compatible server(s) (SGLang, vLLM), for prepare.py
+(needs the openai and tqdm packages; a server started with --api-key: set OPENAI_API_KEY):
 
     python regenerate.py --input prompts.jsonl --out answers.jsonl --server localhost:30000 \\
         --model /ckpt/Qwen3.6-27B
 
-Each line of --input (messages, ShareGPT conversations or a prompt) is sent to the target's chat
-endpoint and written to --out with its answers replaced by the target's; the rest of the line
-(id, source, tools, ...) is kept. A server started with --api-key: set OPENAI_API_KEY. Defaults
-follow SpecForge's scripts/regenerate_train_data.py (temperature 0.7, max tokens 4096, 64
-requests in flight per server; top_p / top_k unset, so the server's apply).
-
-Which turns: every assistant turn is answered again in order, each request holding the
-target's own earlier answers, and a conversation ending on a user turn gets a final answer.
-A conversation with tool calls or tool results gets only its final answer regenerated: the
-tool results in the data answer the original calls, not the ones the target would make.
-"tools" of the line are sent with the request.
-
-Output line: {"input_line": N, <the input's other fields>, "messages": [...]}; each answer is
-{"role": "assistant", "content", "reasoning_content" (the thinking, whichever field the server
-used; an inline <think>...</think> is split out), "tool_calls" (if any), "finish_reason"
-("length": cut at --max-tokens), "usage": {"prompt_tokens", "completion_tokens"}}.
-Lines are written as they finish (in that order, not the input's).
-
-Thinking: with thinking on (no "enable_thinking": false in --chat-template-kwargs), a server
-whose first 8 finished answers carry no reasoning is stopped: it runs without a reasoning
-parser, so the thinking would be lost (start it with --reasoning-parser qwen3).
-
-Failures: HTTP 5xx, 408 and 429, timeouts, lost connections and replies that are no chat
-completion are retried (--retries, --backoff); another HTTP 4xx fails the line at once.
-Safe to stop at any time: --resume skips the lines OUT holds and drops a half-written last
-one. A request failing after --retries goes to OUT.failed.jsonl (input_line, error) with the
-input's bad lines; the exit status is 1 when requests failed, and --resume retries them.
+Each input line (messages, ShareGPT conversations or a prompt; its "tools" are sent) is written
+to OUT as it finishes, {"input_line": N, <its other fields>, "messages": [...]}, with every
+assistant turn answered again in order and a final answer after a last user turn (if it has tool
+calls or results, only the final answer: the results answer the original calls). Answers keep
+"reasoning_content" (any server's field, or inline <think>), "finish_reason" ("length": cut at
+--max-tokens) and "usage". Defaults are SpecForge's (scripts/regenerate_train_data.py).
+With thinking on, a server whose first 8 finished answers carry no reasoning (it runs without
+--reasoning-parser qwen3) is stopped before any of its lines is written. Failed requests are
+retried unless refused (HTTP 4xx but 408, 429); lines that still fail go to OUT.failed.jsonl with
+the input's bad lines, and the exit status is 1. Safe to stop at any time: --resume asks only for
+the lines OUT lacks, failed ones included.
 """
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -42,7 +27,7 @@ import re
 import ssl
 import sys
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 
 from data import ArgParser, Bad, DataError, kwargs_arg, load_line, number, package
 from prepare import conversation, split_think, tools_of
@@ -51,21 +36,19 @@ THINK_CHECK = 8  # finished answers per server with no reasoning at all before w
 POOL = 16        # concurrent requests per HTTP connection pool (see regenerate's client())
 
 def _server_url(s):  # --server: host:port, http://host:port or http://host:port/v1
-    s = s.rstrip("/")
-    s = s if "://" in s else "http://" + s
+    s = ("" if "://" in s else "http://") + s.rstrip("/")
     return s if s.endswith("/v1") else s + "/v1"
 
 def _wire(m):
-    """A message as sent back in a later request: the target's reasoning under both names
-    (SGLang reads reasoning_content, vLLM >= 0.11 reads reasoning); the chat template decides
-    whether it renders (Qwen3.5/3.6 drop earlier turns' thinking unless preserve_thinking)."""
+    """A message as sent back in a later request: the reasoning under SGLang's and vLLM's names
+    (the chat template decides whether it renders: Qwen drops earlier turns' thinking)."""
     r = m.get("reasoning_content", m.get("reasoning"))
     m = {k: v for k, v in m.items() if k not in ("finish_reason", "usage")}
     return {**m, "reasoning_content": r, "reasoning": r} if r is not None else m
 
 def _turns(obj, last):
-    """A prompt line -> (the history before the first answer, the messages after it: each
-    assistant one is answered again, tools); which turns: the module's docstring."""
+    """A prompt line -> (history before the first answer to regenerate, the messages from it on,
+    tools); which turns: the module's docstring."""
     msgs, tools = conversation(obj), tools_of(obj)
     if last or any(m["role"] == "tool" or m.get("tool_calls") for m in msgs):
         i = len(msgs) - (msgs[-1]["role"] == "assistant")
@@ -73,8 +56,7 @@ def _turns(obj, last):
         i = next((i for i, m in enumerate(msgs) if m["role"] == "assistant"), len(msgs))
     if not any(m["role"] == "user" for m in msgs[:i]):
         raise Bad("no user turn", "the first answer to regenerate has no user message before it")
-    rest = msgs[i:] + [{"role": "assistant"}] * (msgs[-1]["role"] != "assistant")
-    return msgs[:i], rest, tools
+    return msgs[:i], msgs[i:] + [{"role": "assistant"}] * (msgs[-1]["role"] != "assistant"), tools
 
 def _done_lines(out, resume, log):
     """Input line numbers already in `out`; a half-written last line (a killed run) is cut off."""
@@ -83,66 +65,66 @@ def _done_lines(out, resume, log):
     if not resume:
         raise DataError(f"{out} already exists; pass --resume to continue it "
                         "(or remove it to start over)")
-    done, good = set(), 0
-    with open(out, "rb") as f:
-        for i, line in enumerate(f, 1):
-            if not line.endswith(b"\n"):
-                break  # one write per line, so only the last can be partial
+    done = set()
+    with open(out, "r+b") as f:
+        for i, line in enumerate(iter(f.readline, b""), 1):
+            if not line.endswith(b"\n"):  # one write per line, so only the last can be partial
+                log(f"{out}: dropped a half-written last line; its prompt is asked again")
+                f.truncate(f.tell() - len(line))
+                break
             m = re.match(rb'\{"input_line": (\d+),', line)
             if not m:
                 raise DataError(f"{out}:{i}: not a line regenerate wrote (no leading "
                                 '"input_line"); give another --out')
             done.add(int(m[1]))
-            good += len(line)
-    if good < os.path.getsize(out):
-        log(f"{out}: dropped a half-written last line; its prompt is asked again")
-        with open(out, "r+b") as f:
-            f.truncate(good)
     return done
-
-class _Failed(Exception):
-    """A request that failed for good: args = (one line naming the server and why,)"""
 
 def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temperature=0.7,
                top_p=None, top_k=None, chat_template_kwargs=None, timeout=3600.0, retries=5,
                backoff=1.0, resume=False, limit=None, turns="all", log=print):
-    """Prompts JSONL -> `out`: each line with its answers replaced by the target's (see the
-    module's docstring). Returns the counts; raises DataError when lines failed (then --resume
-    retries them)."""
-    openai = package("openai", "regenerate.py")
-    tqdm = package("tqdm", "regenerate.py").tqdm
+    """Prompts JSONL -> `out` (the module's docstring). Returns the counts; raises DataError when
+    lines failed (then --resume retries them)."""
+    openai, tqdm = package("openai", "regenerate.py"), package("tqdm", "regenerate.py").tqdm
     if not os.path.isfile(input):
         raise DataError(f"input file {input} not found")
-    failed_path = (out[:-len(".jsonl")] if out.endswith(".jsonl") else out) + ".failed.jsonl"
+    failed_path = out.removesuffix(".jsonl") + ".failed.jsonl"
     done = _done_lines(out, resume, log)
-    thinking = (chat_template_kwargs or {}).get("enable_thinking", True) is not False
     servers = list(dict.fromkeys(map(_server_url, servers)))
-    n = dict(lines=0, answers=0, truncated=0, failed=0, bad=0, retries=0, tokens=0)
+    key = os.environ.get("OPENAI_API_KEY", "none")  # for a server started with --api-key
+    for url in servers:  # first: each server is up and serves --model
+        try:
+            with openai.OpenAI(base_url=url, api_key=key, max_retries=0, timeout=10) as c:
+                served = [m.id for m in c.models.list().data]
+        except Exception as e:  # refused, HTTP error, not JSON: none of it is usable
+            raise DataError(f"server {url} is unreachable: GET {url}/models failed "
+                            f"({e.__cause__ or e}); start it (README: regenerate) or fix --server")
+        if model not in served:
+            raise DataError(f"{url} does not serve --model {model}; it serves "
+                            f"{', '.join(served) or 'nothing'}")
     # top_k and chat_template_kwargs are SGLang's / vLLM's extensions of the OpenAI request
     sampling = {k: v for k, v in dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                       top_k=top_k, chat_template_kwargs=chat_template_kwargs
                                       ).items() if v is not None}
+    # counts; per server: lines held until it shows reasoning, finished answers without, failed
+    # lines in a row; the servers that showed reasoning (with thinking off: all)
+    n, held, unthinking, streak = Counter(), defaultdict(list), Counter(), Counter()
+    verified = set(servers if (chat_template_kwargs or {}).get("enable_thinking") is False else ())
 
     def pending():  # (line number, line) of the input lines still to answer
         with open(input, "rb") as f:
-            for lineno, line in enumerate(f, 1):
-                if limit and lineno > limit:
-                    break
-                if line.strip() and lineno not in done:
-                    yield lineno, line
-    todo = sum(1 for _ in pending())
+            yield from ((i, line) for i, line in itertools.islice(enumerate(f, 1), limit)
+                        if line.strip() and i not in done)
 
     def jobs():  # one generator shared by all workers: the event loop runs one next() at a time
         for lineno, line in pending():
             try:
                 obj = load_line(line)
-                job = (lineno, obj, *_turns(obj, turns == "last"))
+                yield (lineno, obj, *_turns(obj, turns == "last"))
             except Bad as e:
-                fail(lineno, f"{e.args[0]}: {e.args[1]}", "bad")
-                continue
-            yield job
+                fail(lineno, e, "bad")
 
-    def fail(lineno, why, kind="failed"):
+    def fail(lineno, e, kind):  # e: Bad(what is bad in the line, or the server; why)
+        why = ": ".join(e.args)
         n[kind] += 1
         if n["failed"] + n["bad"] <= 20:
             tqdm.write(f"{input}:{lineno}: {why}")
@@ -158,9 +140,8 @@ def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temp
                             f"failed {n['failed'] + n['bad']}", refresh=False)
 
     async def ask(client, url, history, tools):
-        req = dict(model=model, messages=[_wire(m) for m in history], **sampling)
-        if tools is not None:
-            req["tools"] = tools
+        req = dict(model=model, messages=[_wire(m) for m in history], **sampling,
+                   **({} if tools is None else {"tools": tools}))
         for attempt in range(retries + 1):
             if attempt:
                 n["retries"] += 1
@@ -176,44 +157,39 @@ def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temp
             except openai.APIStatusError as e:
                 why = f"HTTP {e.status_code}: {e.response.text[:200]!r}"
                 if e.status_code < 500 and e.status_code not in (408, 429):
-                    raise _Failed(f"{url}: {why}")  # the request itself is wrong: retry is futile
+                    raise Bad(url, why)  # the request itself is wrong: retrying is futile
             else:
-                try:
+                try:  # `why` is what failed if the next line raises
+                    why = f"non-JSON reply {text[:200]!r}"
                     body = json.loads(text)
+                    why = f"reply without choices[0].message: {text[:200]!r}"
                     choice = body["choices"][0]
                     msg, usage = choice["message"], body.get("usage") or {}
                     if isinstance(msg, dict) and isinstance(usage, dict):
                         break
-                    raise TypeError
-                except ValueError:
-                    why = f"non-JSON reply {text[:200]!r}"
-                except (KeyError, IndexError, TypeError):
-                    why = f"reply without choices[0].message: {text[:200]!r}"
+                except (ValueError, LookupError, TypeError):
+                    pass
         else:
-            raise _Failed(f"{url}: {why} (after {retries} retries)")
+            raise Bad(url, f"{why} (after {retries} retries)")
         content = msg.get("content") or ""
         reasoning = msg.get("reasoning_content") or msg.get("reasoning")
         if not reasoning and "</think>" in content:
             reasoning, content = split_think(content)
-        ans = dict(role="assistant", content=content)
-        if reasoning:
-            ans["reasoning_content"] = reasoning
-        if msg.get("tool_calls"):
-            ans["tool_calls"] = msg["tool_calls"]
-        ans["finish_reason"] = choice.get("finish_reason")
-        ans["usage"] = {k: usage.get(k) for k in ("prompt_tokens", "completion_tokens")}
-        n["answers"] += 1
-        n["truncated"] += ans["finish_reason"] == "length"
-        n["tokens"] += usage.get("completion_tokens") or 0
+        ans = dict(role="assistant", content=content, reasoning_content=reasoning,
+                   tool_calls=msg.get("tool_calls"))
+        ans = {k: v for k, v in ans.items() if v or k == "content"}
+        ans.update(finish_reason=choice.get("finish_reason"),
+                   usage={k: usage.get(k) for k in ("prompt_tokens", "completion_tokens")})
+        n.update(answers=1, truncated=ans["finish_reason"] == "length",
+                 tokens=usage.get("completion_tokens") or 0)
         # a server without a reasoning parser puts thinking nowhere we can see: stop early
         # (a cut answer may have stopped before its </think>, so only finished ones count)
         if url not in verified and ans["finish_reason"] != "length":
+            unthinking[url] += not reasoning
             if reasoning:
                 verified.add(url)
-            else:
-                unthinking[url] += 1
-                if unthinking[url] >= THINK_CHECK:
-                    raise DataError(no_thinking(url))
+            elif unthinking[url] >= THINK_CHECK:
+                raise DataError(no_thinking(url))
         return ans
 
     def no_thinking(url):
@@ -230,8 +206,8 @@ def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temp
                 for m in rest:  # each answer asked with the target's own earlier answers
                     msgs.append(await ask(client, url, msgs, tools) if m["role"] == "assistant"
                                 else m)
-            except _Failed as e:
-                fail(lineno, e.args[0])
+            except Bad as e:  # the request failed for good: (server, why)
+                fail(lineno, e, "failed")
                 streak[url] += 1
                 if streak[url] < 2 * concurrency:
                     continue
@@ -240,18 +216,17 @@ def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temp
                     tqdm.write(f"{url}: the last {streak[url]} lines all failed; no more "
                                "requests go there")
                 if all(streak[u] >= 2 * concurrency for u in servers):
-                    raise DataError(f"every server fails every request (last: {e.args[0]}); "
-                                    "fix them, then rerun with --resume")
+                    raise DataError(f"every server fails every request (last: "
+                                    f"{': '.join(e.args)}); fix them, then rerun with --resume")
                 return
             streak[url] = 0
             keep = {k: v for k, v in obj.items()
                     if k not in ("input_line", "messages", "conversations", "prompt")}
-            held[url].append(json.dumps({"input_line": lineno, **keep, "messages": msgs},
-                                        ensure_ascii=False) + "\n")
+            held[url] += [json.dumps({"input_line": lineno, **keep, "messages": msgs},
+                                     ensure_ascii=False) + "\n"]
             if url in verified:  # lines wait until their server has shown its reasoning
-                outf.writelines(held[url])
+                outf.writelines(held.pop(url))
                 outf.flush()
-                held[url].clear()
             n["lines"] += 1
             tick()
 
@@ -260,46 +235,26 @@ def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temp
     def client(url):
         # a client, so a connection pool, per POOL workers: a pool's work per request grows with
         # its connections, and POOL workers open at most POOL (under openai's default limits)
-        key = os.environ.get("OPENAI_API_KEY", "none")  # for a server started with --api-key
         return openai.AsyncOpenAI(base_url=url, api_key=key, timeout=timeout, max_retries=0,
                                   http_client=openai.DefaultAsyncHttpxClient(verify=tls))
-
-    async def check(url):  # once at start: the server is up and serves --model
-        async with client(url) as c:
-            try:
-                served = [m.id for m in (await c.models.list(timeout=10)).data]
-            except Exception as e:  # refused, HTTP error, not JSON: none of it is usable
-                raise DataError(f"server {url} is unreachable: GET {url}/models failed "
-                                f"({e.__cause__ or e}); start it (README: regenerate) or fix "
-                                "--server")
-        if model not in served:
-            raise DataError(f"{url} does not serve --model {model}; it serves "
-                            f"{', '.join(served) or 'nothing'}")
 
     async def run():
         clients, tasks = [], []
         try:
-            for url in servers:
-                for i in range(concurrency):
-                    if i % POOL == 0:
-                        clients.append(client(url))
-                    tasks.append(asyncio.ensure_future(worker(clients[-1], url)))
+            for url, i in itertools.product(servers, range(concurrency)):
+                clients += [client(url)] * (i % POOL == 0)
+                tasks.append(asyncio.ensure_future(worker(clients[-1], url)))
             await asyncio.gather(*tasks)
-        finally:
+        finally:  # a worker's error: cancel the others before their clients close
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             for c in clients:
                 await c.close()
 
-    for url in servers:
-        asyncio.run(check(url))
+    todo, it = sum(1 for _ in pending()), jobs()
     if done:
         log(f"resuming: {len(done)} lines already in {out}, {todo} to go")
-    verified, unthinking = set(servers) if not thinking else set(), Counter()
-    streak = Counter()  # lines failed in a row, per server
-    held = {url: [] for url in servers}
-    it = jobs()
     with open(out, "a", encoding="utf-8") as outf, \
             open(failed_path, "w", encoding="utf-8") as fails, \
             tqdm(total=todo, unit="line", dynamic_ncols=True,
@@ -311,7 +266,7 @@ def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temp
             raise DataError(f"interrupted; the {n['lines']} lines written are kept: rerun with "
                             "--resume to continue")
         for url, lines in held.items():  # servers that never finished an answer: nothing to judge
-            if lines and unthinking.get(url):
+            if lines and unthinking[url]:
                 raise DataError(no_thinking(url))
             outf.writelines(lines)
     t, cpu = time.time() - t0, time.process_time() - cpu0
@@ -332,40 +287,32 @@ def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temp
 
 def main(argv=None):
     ap = ArgParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--input", required=True,
-                    help="JSONL of messages, ShareGPT conversations or prompt lines")
-    ap.add_argument("--out", required=True,
-                    help="output JSONL, appended to as answers arrive; failures: OUT.failed.jsonl")
-    ap.add_argument("--server", required=True, action="append",
-                    help="http://host:port[/v1] of an SGLang/vLLM server; repeat for several")
-    ap.add_argument("--model", required=True, help="the model name the servers serve")
-    ap.add_argument("--concurrency", type=number(int, 1), default=64,
-                    help="requests in flight per server (default 64, SpecForge's)")
-    ap.add_argument("--max-tokens", type=number(int, 1), default=4096,
-                    help="max generated tokens per answer, thinking included (default 4096)")
-    ap.add_argument("--temperature", type=float, default=0.7, help="default 0.7")
-    ap.add_argument("--top-p", type=float, default=None, help="default: not sent (server's)")
-    ap.add_argument("--top-k", type=int, default=None, help="default: not sent (server's)")
-    ap.add_argument("--chat-template-kwargs", type=kwargs_arg, default=None,
-                    help="JSON object for the server's chat template (default: none sent)")
-    ap.add_argument("--turns", choices=("all", "last"), default="all",
-                    help="all: answer every assistant turn in order (default); last: the final one")
-    ap.add_argument("--timeout", type=number(float, 0, above=True), default=3600,
-                    help="seconds one request may take (default 3600)")
-    ap.add_argument("--retries", type=number(int, 0), default=5,
-                    help="retries of a failed request (default 5)")
-    ap.add_argument("--backoff", type=number(float, 0), default=1.0,
-                    help="seconds before the first retry, doubling, +-50%% jitter (default 1)")
-    ap.add_argument("--resume", action="store_true",
-                    help="continue OUT: ask only for the lines it does not hold")
-    ap.add_argument("--limit", type=number(int, 1), default=None,
-                    help="only the first N lines of --input (default all)")
-    args = ap.parse_args(argv)
+    arg = ap.add_argument
+    arg("--input", required=True, help="JSONL of messages, ShareGPT conversations or prompts")
+    arg("--out", required=True, help="output JSONL, appended to; failures: OUT.failed.jsonl")
+    arg("--server", dest="servers", metavar="URL", required=True, action="append",
+        help="http://host:port[/v1] of an SGLang/vLLM server; repeat for several")
+    arg("--model", required=True, help="the model name the servers serve")
+    arg("--concurrency", type=number(int, 1), default=64,
+        help="requests in flight per server (default 64, SpecForge's)")
+    arg("--max-tokens", type=number(int, 1), default=4096,
+        help="max generated tokens per answer, thinking included (default 4096)")
+    arg("--temperature", type=float, default=0.7, help="default 0.7")
+    arg("--top-p", type=float, help="default: not sent (server's)")
+    arg("--top-k", type=int, help="default: not sent (server's)")
+    arg("--chat-template-kwargs", type=kwargs_arg,
+        help="JSON object for the server's chat template (default: none sent)")
+    arg("--turns", choices=("all", "last"), default="all",
+        help="all: answer every assistant turn in order (default); last: the final one")
+    arg("--timeout", type=number(float, 0, above=True), default=3600,
+        help="seconds one request may take (default 3600)")
+    arg("--retries", type=number(int, 0), default=5, help="retries of a failed request (default 5)")
+    arg("--backoff", type=number(float, 0), default=1.0,
+        help="seconds before the first retry, doubling, +-50%% jitter (default 1)")
+    arg("--resume", action="store_true", help="continue OUT: ask only for the lines it lacks")
+    arg("--limit", type=number(int, 1), help="only the first N lines of --input (default all)")
     try:
-        regenerate(args.input, args.out, args.server, args.model, args.concurrency,
-                   args.max_tokens, args.temperature, args.top_p, args.top_k,
-                   args.chat_template_kwargs, args.timeout, args.retries, args.backoff,
-                   args.resume, args.limit, args.turns)
+        regenerate(**vars(ap.parse_args(argv)))
     except DataError as e:
         sys.exit(f"error: {e}")
 
