@@ -1,23 +1,16 @@
 """
 The drafter's training data on disk, the packer that turns its samples into the fixed-size rows
-train.py trains on, and the demo dataset. The real data is written by the commands built on this
-file, one per step of the run:
-    python regenerate.py --input prompts.jsonl --out answers.jsonl --server localhost:30000 \\
-        --model NAME     # the target's own answers, through its SGLang / vLLM server
-    python prepare.py --input answers.jsonl --out data/mix --tokenizer /ckpt/Qwen3.6-27B \\
-        --val 0.005 --workers 16     # rendered with the checkpoint's chat template and masked
-    python prepare.py stats data/mix --budget 8192   # what a prepared dataset will teach
-and the demo by `python data.py --out data/demo` (train.py builds it on first use).
+train.py trains on, the demo dataset (train.py builds it on first use), and the command-line
+helpers of every command. The real data: regenerate.py (the target's own answers), then
+prepare.py (rendered with the checkpoint's chat template, masked, tokenized).
 
 A dataset is a directory of flat arrays, memory-mapped on open so a 100 GB corpus costs no RAM:
     tokens.bin     uint32 [n_tokens]       all samples back to back (uint32: vocabs exceed 65535)
     loss_mask.bin  uint8  [n_tokens]       1 where the drafter is trained to predict that token
     offsets.bin    int64  [n_samples + 1]  sample i is tokens[offsets[i]:offsets[i+1]]
-    meta.json      version, vocab bound and counts. Written last and renamed into place with the
-                   rest, so a directory that has it is complete.
-So 5 bytes a token and 8 a sample: 1B tokens in 1M samples are 5 GB on disk, never read whole.
-prepare.py and the demo write DIR/train and (with a held-out split) DIR/val; open_dataset(DIR)
-picks DIR/train.
+    meta.json      version, vocab bound and counts; written last and renamed into place with the
+                   rest, so a directory that has it is complete
+prepare.py and the demo write DIR/train and (with a held-out split) DIR/val.
 """
 import argparse
 import importlib
@@ -31,8 +24,8 @@ from typing import NamedTuple
 import numpy as np
 
 VERSION = 1
-REBUILD = ("rebuild it with `python prepare.py --input FILE.jsonl --out DIR --force` "
-           "(or `python data.py --out DIR --force` for the demo)")
+REBUILD = ("rebuild it with `python prepare.py --input FILE.jsonl --out DIR --force` (the demo: "
+           "delete DIR; train.py builds it again)")
 
 class DataError(ValueError):
     """Bad data on disk or in the input. The message names the file and the fix."""
@@ -239,10 +232,9 @@ class Row(NamedTuple):
 class Packer:
     """Per epoch: a seeded shuffle of the samples, packed next-fit in that order into rows; row r
     goes to shard r % n_shards. The plan needs only lengths, so every shard computes the same one
-    on its own and all agree on steps_per_epoch (which can differ by a row or so between epochs,
-    as the order changes). A sample longer than budget keeps its first `budget` tokens:
-    `truncated` and `truncated_tokens` count them per epoch, over the whole dataset, and
-    truncated_supervised() the supervised tokens lost, so the trainer can warn once at start."""
+    and all agree on steps_per_epoch (which can differ by a row between epochs). A sample longer
+    than budget keeps its first `budget` tokens: `truncated`, `truncated_tokens` and
+    truncated_supervised() count what that loses per epoch."""
 
     def __init__(self, dataset, budget, n_shards=1, shard=0, seed=0, shuffle=True):
         assert 0 <= shard < n_shards, f"shard {shard} must be in [0, n_shards={n_shards})"
@@ -351,14 +343,12 @@ def cut_at_eos(ans, eos=0):
 
 def make_demo(out_dir, samples=384, val_samples=32, new_tokens=48, seed=0, force=False, log=print,
               target="tiny"):
-    """Random prompts of 8-24 tokens, each continued greedily for new_tokens by the `tiny` target
-    of target.py, loss mask on the continuation: the data is the very target's own output, as
-    DFlash trains, so the acceptance proxy is real acceptance against that target. The weights
-    come from Target.build, which seeds each tensor by its name, so they match train.py's tiny
-    target whatever the seed; `seed` picks the prompts. target=DEMO_CODE: the trained demo target
-    and its prompts of code instead, its greedy answers cut after their end-of-text (greedy for
-    training too: this weak a target's answers sampled at the recipe's 0.7 train a worse greedy
-    drafter, README). A directory that already holds this exact demo is reused, not remade."""
+    """Random prompts of 8-24 tokens, each continued greedily for new_tokens by target.py's `tiny`
+    target (seeded by tensor name: train.py's own), loss mask on the continuation: the target's
+    own output, as DFlash trains, so the acceptance proxy is real acceptance against it. `seed`
+    picks the prompts. target=DEMO_CODE: the trained demo target and its prompts of code, its
+    greedy answers cut after their end-of-text (sampled ones trained a worse drafter: RESULTS.md).
+    A directory that already holds this exact demo is reused."""
     code = target != "tiny"
     want = dict(demo="code" if code else "tiny", samples=samples, val_samples=val_samples,
                 new_tokens=new_tokens, seed=seed)
@@ -388,12 +378,10 @@ def make_demo(out_dir, samples=384, val_samples=32, new_tokens=48, seed=0, force
         prompts = [torch.from_numpy(rng.integers(1, cfg.vocab_size, rng.integers(8, 25)))
                    for _ in range(n)]
     target = model.eval()
-    # all documents of a chunk decoded in lockstep with the target's caches (Target.greedy), on
-    # the CPU in fp32 whatever device trains: the same demo everywhere, and no prefix rerun for
-    # every token
-    chunk = 4096    # bounds the attention caches (they grow with documents x tokens)
-    # one thread: the tiny target's ops are so small that a second thread only adds sync overhead
-    writers, threads = [], torch.get_num_threads()
+    # decoded in lockstep with the target's caches (Target.greedy) on the CPU in fp32, whatever
+    # device trains: the same demo everywhere. Chunks bound the caches; one thread: this small a
+    # target's ops only pay a second thread's sync overhead
+    chunk, writers, threads = 4096, [], torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         for s in ("train", "val"):
@@ -407,7 +395,9 @@ def make_demo(out_dir, samples=384, val_samples=32, new_tokens=48, seed=0, force
                     d = np.concatenate([d[:P], cut_at_eos(d[P:])])
                 writers[j >= samples].add(d, np.arange(len(d)) >= P)
             log(f"demo: {min(c + chunk, n)}/{n} samples, {time.time() - t0:.1f}s")
-        summary(out_dir, [w.commit(source=want) for w in writers], t0, log)
+        metas = [w.commit(source=want) for w in writers]
+        log(f"demo: wrote {out_dir}: {metas[0]['n_samples']} + {metas[1]['n_samples']} samples "
+            f"(train + val), {time.time() - t0:.1f}s")
     except BaseException:
         for w in writers:
             w.abort()
@@ -417,33 +407,8 @@ def make_demo(out_dir, samples=384, val_samples=32, new_tokens=48, seed=0, force
     return out_dir
 
 def summary(out, metas, t0, log):
-    """Log what was written to out/train (and out/val) and the time since t0."""
+    # what prepare.py wrote to out/train (and out/val), and the time since t0
     for m, s in zip(metas, ("train", "val")):
         log(f"wrote {os.path.join(out, s)}: {m['n_samples']} samples, {m['n_tokens']} tokens "
             f"({m['n_supervised']} supervised), vocab bound {m['vocab_size']}")
     log(f"done in {time.time() - t0:.1f}s")
-
-
-def main(argv=None):
-    ap = ArgParser(description="The demo dataset: the tiny target's greedy continuations of "
-                   "random prompts -> DIR/train, DIR/val (the one train.py builds on first use). "
-                   "The real data: prepare.py and regenerate.py.")
-    ap.add_argument("--out", default="data/demo", help="output directory (default data/demo)")
-    # the same demo train.py builds on first use, into the same data/demo
-    dflt = make_demo.__defaults__
-    ap.add_argument("--samples", type=int, default=dflt[0],
-                    help=f"training samples (default {dflt[0]})")
-    ap.add_argument("--val-samples", type=int, default=dflt[1],
-                    help=f"held-out samples (default {dflt[1]})")
-    ap.add_argument("--new-tokens", type=int, default=dflt[2],
-                    help=f"greedy tokens per sample, all supervised (default {dflt[2]})")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
-    ap.add_argument("--force", action="store_true", help="overwrite an existing demo")
-    args = ap.parse_args(argv)
-    try:
-        make_demo(args.out, args.samples, args.val_samples, args.new_tokens, args.seed, args.force)
-    except DataError as e:
-        sys.exit(f"error: {e}")
-
-if __name__ == "__main__":
-    main()
