@@ -1,16 +1,21 @@
 """
-The guards that flex_attention really computes THE mask, and with its fused backward (train.py on a
-GPU; bench.py check). Outside a compiled graph, or past the recompile limit, flex silently runs a
-dense math backward that holds every layer's [heads, queries, keys] scores (~17 GB per layer at 512
-anchors / 8192 budget); a torch whose flex backward is wrong trains on wrong gradients. So:
-  SelfCheck      before the first update: compiled flex == dense SDPA on this run's mask kinds and
-                 head geometry, in a second process (`python checks.py CONFIG DEVICE`) while the
-                 run starts
-  fused_backward around the first warm step: the profiler must see the fused backward kernel
+train.py's guards against a run that fails silently or obscurely:
+  rank_caches    each rank compiles into Triton and Inductor caches of its own: ranks sharing one
+                 race on it, and a cache on NFS corrupts (pytorch#173679, triton#2688)
+  explain_stops  a rank stopped by a peer or an error says why, and how to go on
+  SelfCheck      before the first update: compiled flex_attention == dense SDPA on this run's mask
+                 kinds and head geometry, in a second process (`python checks.py CONFIG DEVICE`)
+  fused_backward around the first warm step: the profiler must see flex's fused backward kernel
+Outside a compiled graph, or past the recompile limit, flex silently runs a dense backward that
+holds every layer's [heads, queries, keys] scores (~17 GB per layer at 512 anchors / 8192 budget);
+a torch whose flex backward is wrong trains on wrong gradients.
 """
 import contextlib
+import getpass
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -19,47 +24,70 @@ import warnings
 
 import torch
 
-from model import SLIDING, DrafterConfig, block_lists, row_attention
+from model import SLIDING, DrafterConfig, block_lists, flex_kernel_options, row_attention
 
-def flex_backward_kernels(prof, kinds):
-    """Names of the flex_attention backward kernels a torch.profiler run saw, fused ones first,
-    and whether inductor's fused template (triton_tem_fused_flex_attention_backward_*) ran for all
-    `kinds` masks (each mask_mod compiles its own)."""
-    names = {e.name for e in prof.events() if "flex_attention_backward" in e.name}
-    names = sorted(names, key=lambda n: "_tem_" not in n)
-    return names, sum("_tem_" in n for n in names) >= kinds
+def rank_caches(root, rank, fresh=False):
+    """This rank's cache dir (under root, default /tmp/dflash-cache-USER) and its Triton and
+    Inductor caches, set unless the user set them; before anything compiles. fresh: emptied."""
+    root = root or os.path.join(tempfile.gettempdir(), f"dflash-cache-{getpass.getuser()}")
+    rank_cache = os.path.join(root, f"rank{rank}")
+    os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(rank_cache, "triton"))
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(rank_cache, "inductor"))
+    dirs = [os.environ["TRITON_CACHE_DIR"], os.environ["TORCHINDUCTOR_CACHE_DIR"]]
+    for d in dirs if fresh else []:
+        if os.path.isdir(d):
+            shutil.rmtree(d)
+        elif os.path.exists(d):
+            os.remove(d)
+    return rank_cache, dirs
+
+def explain_stops(rank, out, cache_dirs):
+    go_on = f"continue from the last checkpoint with --resume --out {out}"
+
+    def on_sigterm(signum, frame):
+        # torchrun tears the whole job down when one process dies: say why, and how to go on
+        print(f"rank {rank}: stopping on SIGTERM (another process of this job failed, or the job "
+              f"was cancelled); {go_on}", file=sys.stderr, flush=True)
+        os._exit(143)
+
+    def on_error(exc_type, value, tb):
+        # e.g. a peer died and gloo/NCCL closed the connection: the traceback, then what to do
+        sys.__excepthook__(exc_type, value, tb)
+        print(f"rank {rank}: stopped by {exc_type.__name__}; {go_on}. A compile, autotune or "
+              "cache error can be a corrupted cache: rerun with --fresh-cache (this rank's "
+              f"caches: {' '.join(cache_dirs)})", file=sys.stderr, flush=True)
+    signal.signal(signal.SIGTERM, on_sigterm)
+    sys.excepthook = on_error
 
 @contextlib.contextmanager
 def fused_backward(kinds):
     """Around one train step after the compiling one (around the compile the profiler would also
-    record every autotuning kernel): raises unless the fused flex backward of each of the `kinds`
-    masks ran. Yields a list that then holds the kernel names seen."""
+    record every autotuning kernel): raises unless inductor's fused flex backward template
+    (triton_tem_fused_flex_attention_backward_*) ran for each of the `kinds` masks (each mask_mod
+    compiles its own). Yields a list that then holds the flex backward kernels seen."""
     seen = []
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA],
                                   acc_events=True)   # torch <= 2.12 warns without it (#180387)
     with warnings.catch_warnings():
-        # a CUDA-only profiler warns that it cannot match host op events to kernels; only kernel
-        # names are read here
+        # a CUDA-only profiler cannot match host op events to kernels; only kernel names are read
         warnings.filterwarnings("ignore", message="Failed to recover relationship")
         with prof:
             yield seen
-    names, fused = flex_backward_kernels(prof, kinds)
-    if not fused:
+    seen += sorted({e.name for e in prof.events() if "flex_attention_backward" in e.name},
+                   key=lambda n: "_tem_" not in n)
+    if sum("_tem_" in n for n in seen) < kinds:
         raise RuntimeError(f"the first step did not run a fused flex_attention backward kernel "
-                           f"for each of the {kinds} layer kinds (saw {names}); refusing to train "
+                           f"for each of the {kinds} layer kinds (saw {seen}); refusing to train "
                            "on the dense fallback (~17 GB per layer at 512 anchors / 8192 budget)")
-    seen += names
 
 def flex_matches_dense(config, device, kernel_options=None, candidate=None):
     """Compiled flex_attention (forward and fused backward) with THE mask of each layer kind of
-    config, built as the training step builds it (closed-form lists -> BlockMask in the graph),
-    against the dense mask + SDPA, in fp32 without TF32, with config's heads and block size, on a
-    512-token row of 3 documents with anchors at document starts and padded slots (the window cut
-    to 100 tokens so that it binds). Outputs and the q, k, v gradients of a random linear loss
-    must agree. Only attention is compiled (compiling the whole step made the check slower).
-    candidate(config, anchors, keep, doc, S) -> {kind: attend} replaces the compiled flex path
-    (tests on CPU). Leaves the RNG and dynamo's graph count as it found them. Returns (output rel
-    err, max gradient rel err, seconds)."""
+    config, built as the training step builds it, against the dense mask + SDPA, in fp32 without
+    TF32, on a 512-token row of 3 documents with anchors at document starts and padded slots (the
+    window cut to 100 tokens so that it binds): outputs and q, k, v gradients of a random linear
+    loss. candidate(config, anchors, keep, doc, S) -> {kind: attend} replaces the compiled flex
+    path (tests on CPU). Leaves the RNG and dynamo's graph count as it found them. Returns (output
+    rel err, max gradient rel err, seconds)."""
     t0 = time.perf_counter()
     S, N, lens = 512, 24, (150, 230, 132)
     window = min(config.sliding_window, 100) if SLIDING in config.layer_types else None
@@ -70,8 +98,7 @@ def flex_matches_dense(config, device, kernel_options=None, candidate=None):
     kinds, Q, KV = list(c.windows()), N * c.block_size, S + N * c.block_size
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    devices = [device] if torch.device(device).type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
+    with torch.random.fork_rng(devices=[device] if torch.device(device).type == "cuda" else []):
         torch.manual_seed(0)
         doc = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)).to(device)
         inside = torch.nonzero(doc[1:] == doc[:-1]).view(-1)   # positions with a next token
@@ -86,17 +113,15 @@ def flex_matches_dense(config, device, kernel_options=None, candidate=None):
         data = {kind: [torch.randn(1, h, n, c.head_dim, device=device) for h, n in shapes]
                 for kind in kinds}
         apply = lambda attend: lambda qkv: {kind: attend[kind](*qkv[kind]) for kind in kinds}
-        if candidate is None:
+        if candidate is None:   # only attention compiled: the whole step compiled was slower
             blocks = block_lists(c, anchors, keep, doc, S)
-            step = torch.compile(
-                lambda qkv, anchors, keep, doc, blocks: apply(row_attention(
-                    c, anchors, keep, doc, S, kernel_options or {}, blocks))(qkv),
-                fullgraph=True, dynamic=False)
+            step = torch.compile(lambda qkv, anchors, keep, doc, blocks: apply(row_attention(
+                c, anchors, keep, doc, S, kernel_options or {}, blocks))(qkv), fullgraph=True,
+                dynamic=False)
             flex = lambda qkv: step(qkv, anchors, keep, doc, blocks)
         else:
             flex = apply(candidate(c, anchors, keep, doc, S))
-        dense = apply(row_attention(c, anchors, keep, doc, S))
-        results = []
+        dense, results = apply(row_attention(c, anchors, keep, doc, S)), []
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
         try:
             for run in (dense, flex):
@@ -120,21 +145,19 @@ class SelfCheck:
     given a `skip` reason. join() before the first update: a failure stops the run with one line;
     returns the status line."""
     def __init__(self, config, device, cache, skip=None):
-        self.process, self.status = None, f"skipped ({skip})"
+        self.process, self.status, self.config = None, f"skipped ({skip})", config
         if skip:
             return
-        self.config, self.log = config, tempfile.TemporaryFile(mode="w+")
+        self.log = tempfile.TemporaryFile(mode="w+")
         env = dict(os.environ, TRITON_CACHE_DIR=os.path.join(cache, "self-check", "triton"),
                    TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "self-check", "inductor"))
         self.process = subprocess.Popen([sys.executable, os.path.abspath(__file__),
                                          json.dumps(vars(config)), str(device)],
                                         env=env, stdout=self.log, stderr=subprocess.STDOUT)
         os.setpriority(os.PRIO_PROCESS, self.process.pid, 10)
-        self.status = f"in a second process (pid {self.process.pid}), joined before the first update"
+        self.status = f"in a second process (pid {self.process.pid}), joined before training"
 
     def join(self):
-        if self.process is None:
-            return self.status
         failed, self.process = self.process.wait(), None
         self.log.seek(0)
         last = (self.log.read().strip().splitlines() or ["?"])[-1]
@@ -146,17 +169,13 @@ class SelfCheck:
                        f"max grad (q, k, v) rel err {grad_err:.1e} ({seconds:.0f} s, second "
                        "process)")
         if not (out_err < 1e-3 and grad_err < 1e-3):
-            import triton
             sys.exit(f"error: self-check failed: {self.status}; flex_attention of torch "
-                     f"{torch.__version__} / triton {triton.__version__} computes wrong attention "
-                     "on this GPU; use another torch release")
+                     f"{torch.__version__} computes wrong attention on this GPU; use another "
+                     "torch release")
         return self.status
 
-if __name__ == "__main__":
-    # SelfCheck's second process: python checks.py CONFIG_JSON DEVICE prints [output rel err,
-    # max grad rel err, seconds] as its last line
+if __name__ == "__main__":      # SelfCheck's second process: its result is the last line
     device = torch.device(sys.argv[2])
     torch.cuda.set_device(device)
-    from model import flex_kernel_options
     print(json.dumps(flex_matches_dense(DrafterConfig(**json.loads(sys.argv[1])), device,
                                         flex_kernel_options(device))))

@@ -8,25 +8,19 @@ target -> drafter.
       --budget 8192      # 2 pairs
   torchrun --nproc_per_node=2 train.py --target qwen3.6-27b --anchors 512 --budget 8192  # preset
 """
-# Reading order: setup (arguments, ranks, output dir, configs, data, models, resume, log), then the
-# definitions the loops use (schedule, the update, the pair protocol), then the two loops.
 import argparse
 import functools
-import getpass
 import json
 import math
 import os
-import shutil
-import signal
 import sys
-import tempfile
 import time
 import warnings
 from contextlib import nullcontext
 from datetime import timedelta
 
 t_launch = time.perf_counter()      # the log's elapsed time counts from here
-from data import ArgParser, number  # numpy only: nothing may import triton before the caches
+from data import ArgParser, number
 
 # -----------------------------------------------------------------------------
 # arguments. number(int, 1): an int >= 1; a bad flag stops the run with one line naming it
@@ -90,38 +84,14 @@ args.dpace_alpha = 0.5 if args.dpace_alpha is None else args.dpace_alpha
 if args.wandb:
     import monitor                  # stops here, in one line, without the wandb package
 
-# Each rank gets its own Triton and Inductor cache unless the user set one, set before torch imports
-# triton: ranks sharing a cache race on it; a cache on NFS corrupts (pytorch#173679, triton#2688)
-rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-default_root = os.path.join(tempfile.gettempdir(), f"dflash-cache-{getpass.getuser()}")
-rank_cache = os.path.join(args.cache_dir or default_root, f"rank{rank}")
-os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(rank_cache, "triton"))
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(rank_cache, "inductor"))
-cache_dirs = [os.environ["TRITON_CACHE_DIR"], os.environ["TORCHINDUCTOR_CACHE_DIR"]]
-for d in cache_dirs if args.fresh_cache else []:
-    shutil.rmtree(d) if os.path.isdir(d) else os.remove(d) if os.path.exists(d) else None
-go_on = f"continue from the last checkpoint with --resume --out {args.out}"
-
-def on_sigterm(signum, frame):
-    # torchrun tears the whole job down when one process dies: say why, and how to go on
-    print(f"rank {rank}: stopping on SIGTERM (another process of this job failed, or the job was "
-          f"cancelled); {go_on}", file=sys.stderr, flush=True)
-    os._exit(143)
-signal.signal(signal.SIGTERM, on_sigterm)
-
-def on_error(exc_type, value, tb):
-    # e.g. a peer died and gloo/NCCL closed the connection: the traceback, then what to do about it
-    sys.__excepthook__(exc_type, value, tb)
-    print(f"rank {rank}: stopped by {exc_type.__name__}; {go_on}. A compile, autotune or cache "
-          "error can be a corrupted cache: rerun with --fresh-cache (this rank's caches: "
-          f"{' '.join(cache_dirs)})", file=sys.stderr, flush=True)
-sys.excepthook = on_error
-
 import numpy as np
 import torch
 import torch.distributed as dist
 import checks
 import checkpoint
+rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+rank_cache, cache_dirs = checks.rank_caches(args.cache_dir, rank, args.fresh_cache)  # not shared
+checks.explain_stops(rank, args.out, cache_dirs)
 from target import Target, TargetConfig, upload
 from model import Drafter, DrafterConfig, drafter_loss, drafter_step, flex_kernel_options
 from model import sample_anchors
