@@ -3,6 +3,7 @@ train.py's guards against a run that fails silently or obscurely:
   rank_caches    each rank compiles into Triton and Inductor caches of its own: ranks sharing one
                  race on it, and a cache on NFS corrupts (pytorch#173679, triton#2688)
   explain_stops  a rank stopped by a peer or an error says why, and how to go on
+  start, init_drafter   data and flags that cannot train what they seem to: one line, at start
   SelfCheck      before the first update: compiled flex_attention == dense SDPA on this run's mask
                  kinds and head geometry, in a second process (`python checks.py CONFIG DEVICE`)
   fused_backward around the first warm step: the profiler must see flex's fused backward kernel
@@ -58,6 +59,50 @@ def explain_stops(rank, out, cache_dirs):
               f"caches: {' '.join(cache_dirs)})", file=sys.stderr, flush=True)
     signal.signal(signal.SIGTERM, on_sigterm)
     sys.excepthook = on_error
+
+def start(args, data_dir, ds, demand, lost, tcfg, dcfg):
+    """What train.py checks before it loads a model: the data teaches something the target can
+    read, the flags fit the target. Else one line naming the flag or file and the fix."""
+    taps, budget = dcfg.target_layer_ids, args.budget
+    nothing = ("its loss mask is all zero; check the loss_mask of its input lines"
+               if ds.n_supervised == 0 else f"all its supervised tokens lie past --budget {budget} "
+               f"in their samples (truncated); raise --budget (longest sample: {ds.lengths.max()} "
+               "tokens)" if lost == ds.n_supervised else "no supervised token whose next token is "
+               f"supervised too (an anchor) in its first {len(demand)} rows; check its loss_mask")
+    for ok, msg in [
+            (demand.any(), f"--data {data_dir}: nothing to learn: {nothing}"),
+            (ds.vocab_size <= tcfg.vocab_size, f"--data {data_dir} was prepared for a vocab of "
+             f"{ds.vocab_size} (largest token id {ds.meta.get('max_id', '?')}), past the target's "
+             f"{tcfg.vocab_size}; prepare the data with the target's tokenizer"),
+            (len(set(taps)) == len(taps), f"--n-feat {len(taps)}: the target's "
+             f"{tcfg.num_hidden_layers} layers give taps {taps}, with repeats; use --n-feat "
+             f"{max(1, tcfg.num_hidden_layers - 3)} or fewer"),
+            (0 <= dcfg.mask_token_id < tcfg.vocab_size, f"--mask-token-id {dcfg.mask_token_id} "
+             f"is not a row of the target's embedding (vocab {tcfg.vocab_size})"),
+            (budget >= 2 * args.block_size, f"--budget {budget} must hold at least two blocks"),
+            (args.row_anchors < budget, f"--row-anchors {args.row_anchors} is too many for "
+             f"--budget {budget}: at most {budget - 1}, one per position")]:
+        if not ok:
+            sys.exit("error: " + msg)
+
+def init_drafter(args, d, dcfg, tcfg):
+    """--init-drafter's config d against the target and the flags (dcfg: what they ask for): the
+    row capacity and metrics assume --block-size; the mask token must be a target row."""
+    if ((d.hidden_size, d.target_layer_ids, d.block_size)
+            != (tcfg.hidden_size, dcfg.target_layer_ids, args.block_size)
+            or args.mask_token_id not in (None, d.mask_token_id)
+            or args.drafter_layers not in (None, d.num_hidden_layers)
+            or not 0 <= d.mask_token_id < tcfg.vocab_size):
+        sys.exit(f"error: --init-drafter {args.init_drafter} (hidden {d.hidden_size}, taps "
+                 f"{d.target_layer_ids}, block {d.block_size}, mask token {d.mask_token_id}, "
+                 f"{d.num_hidden_layers} layers) does not match the target and flags (hidden "
+                 f"{tcfg.hidden_size}, taps {dcfg.target_layer_ids}, --block-size "
+                 f"{args.block_size}, --mask-token-id {dcfg.mask_token_id}, vocab "
+                 f"{tcfg.vocab_size}, --drafter-layers {args.drafter_layers})")
+    layout = lambda c: (c.layer_types, c.windows())
+    if args.sliding_window is not None and layout(d) != layout(dcfg):
+        sys.exit(f"error: --sliding-window {args.sliding_window} asks for layers {layout(dcfg)}, "
+                 f"but --init-drafter {args.init_drafter} has {layout(d)}; drop --sliding-window")
 
 @contextlib.contextmanager
 def fused_backward(kinds):

@@ -19,8 +19,17 @@ import warnings
 from contextlib import nullcontext
 from datetime import timedelta
 
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import checks
+import checkpoint
+from data import ArgParser, DataError, Packer, demo_of, make_demo, number, open_dataset
+from model import Drafter, DrafterConfig, drafter_loss, drafter_step, flex_kernel_options
+from model import sample_anchors
+from target import Target, TargetConfig, upload
 t_launch = time.perf_counter()      # the log's elapsed time counts from here
-from data import ArgParser, number
 
 # -----------------------------------------------------------------------------
 # arguments. number(int, 1): an int >= 1; a bad flag stops the run with one line naming it
@@ -83,19 +92,9 @@ args.epochs = args.epochs or 6
 args.dpace_alpha = 0.5 if args.dpace_alpha is None else args.dpace_alpha
 if args.wandb:
     import monitor                  # stops here, in one line, without the wandb package
-
-import numpy as np
-import torch
-import torch.distributed as dist
-import checks
-import checkpoint
 rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 rank_cache, cache_dirs = checks.rank_caches(args.cache_dir, rank, args.fresh_cache)  # not shared
 checks.explain_stops(rank, args.out, cache_dirs)
-from target import Target, TargetConfig, upload
-from model import Drafter, DrafterConfig, drafter_loss, drafter_step, flex_kernel_options
-from model import sample_anchors
-from data import DataError, demo_of, open_dataset, Packer, make_demo
 
 # -----------------------------------------------------------------------------
 # ranks: per node the first half of the local ranks run targets, the second half drafters
@@ -194,27 +193,8 @@ p90 = int(-(-np.percentile(demand, 90) // 8) * 8)       # a multiple of 8: 128-r
 row_anchors = args.row_anchors or max(8, min(p90, cap))
 dropped = np.maximum(demand - row_anchors, 0).sum() / max(demand.sum(), 1)
 supervised, lost = train_ds.n_supervised, packer.truncated_supervised()
-nothing = ("its loss mask is all zero; check the loss_mask of its input lines" if supervised == 0
-           else f"all its supervised tokens lie past --budget {budget} in their samples "
-           f"(truncated); raise --budget (longest sample: {train_ds.lengths.max()} tokens)"
-           if lost == supervised else "no supervised token whose next token is supervised too "
-           f"(an anchor) in its first {len(demand)} rows; check its loss_mask")
 taps = dcfg.target_layer_ids
-for ok, msg in [
-        (demand.any(), f"--data {data_dir}: nothing to learn: {nothing}"),
-        (train_ds.vocab_size <= tcfg.vocab_size, f"--data {data_dir} was prepared for a vocab of "
-         f"{train_ds.vocab_size} (largest token id {train_ds.meta.get('max_id', '?')}), past the "
-         f"target's {tcfg.vocab_size}; prepare the data with the target's tokenizer"),
-        (len(set(taps)) == len(taps), f"--n-feat {len(taps)}: the target's "
-         f"{tcfg.num_hidden_layers} layers give taps {taps}, with repeats; use --n-feat "
-         f"{max(1, tcfg.num_hidden_layers - 3)} or fewer"),
-        (0 <= dcfg.mask_token_id < tcfg.vocab_size, f"--mask-token-id {dcfg.mask_token_id} is "
-         f"not a row of the target's embedding (vocab {tcfg.vocab_size})"),
-        (budget >= 2 * block_size, f"--budget {budget} must hold at least two blocks"),
-        (args.row_anchors < budget, f"--row-anchors {args.row_anchors} is too many for --budget "
-         f"{budget}: at most {budget - 1}, one per position")]:
-    if not ok:
-        sys.exit("error: " + msg)
+checks.start(args, data_dir, train_ds, demand, lost, tcfg, dcfg)
 
 # -----------------------------------------------------------------------------
 # models: target ranks load the layers up to the last tapped one, drafters embed_tokens + lm_head
@@ -237,22 +217,8 @@ if runs_drafter:
     except ValueError as e:
         sys.exit(f"error: --init-drafter {args.init_drafter}: {e}")
     drafter, d = drafter.to(device), drafter.config
-    # the row capacity and metrics above assume --block-size; the mask token must be a target row
-    if ((d.hidden_size, d.target_layer_ids, d.block_size) != (tcfg.hidden_size, taps, block_size)
-            or args.mask_token_id not in (None, d.mask_token_id)
-            or args.drafter_layers not in (None, d.num_hidden_layers)
-            or not 0 <= d.mask_token_id < tcfg.vocab_size):
-        sys.exit(f"error: --init-drafter {args.init_drafter} (hidden {d.hidden_size}, taps "
-                 f"{d.target_layer_ids}, block {d.block_size}, mask token {d.mask_token_id}, "
-                 f"{d.num_hidden_layers} layers) does not match the target and flags (hidden "
-                 f"{tcfg.hidden_size}, taps {taps}, --block-size {block_size}, --mask-token-id "
-                 f"{dcfg.mask_token_id}, vocab {tcfg.vocab_size}, --drafter-layers "
-                 f"{args.drafter_layers})")
-    layout = lambda c: (c.layer_types, c.windows())
-    if args.init_drafter and args.sliding_window is not None and layout(d) != layout(dcfg):
-        sys.exit(f"error: --sliding-window {args.sliding_window} asks for layers {layout(dcfg)}, "
-                 f"but --init-drafter {args.init_drafter} has {layout(d)}; drop --sliding-window")
     if args.init_drafter:               # the trained layout: the init drafter's own
+        checks.init_drafter(args, d, dcfg, tcfg)
         dcfg, self_check = d, checks.SelfCheck(d, device, rank_cache, skip)
     # fp32 parameters (AdamW's master weights); the step computes in bf16 on GPU
     params = list(drafter.parameters())
