@@ -34,21 +34,17 @@ class Bad(Exception):
     """A skipped input line: args = (kind, detail)."""
 
 def load_line(line):
-    """One JSONL line -> its object; raises Bad."""
     try:
         return json.loads(line)
     except ValueError as e:
         raise Bad("malformed JSON", str(e))
 
 def package(name, cmd):
-    """The optional package `name` that command `cmd` needs, imported here (only the command that
-    needs it imports it), or a DataError saying how to install it."""
+    # an optional package, imported only by the command that needs it, or how to install it
     try:
         return importlib.import_module(name)
     except ImportError:
         raise DataError(f"{cmd} needs the {name} package: pip install {name}")
-
-# the command lines of every command here: a bad flag is one line, as every error
 
 class ArgParser(argparse.ArgumentParser):
     """argparse whose errors are one line (its usage block would bury them); exit status 2."""
@@ -237,15 +233,12 @@ class Packer:
     truncated_supervised() count what that loses per epoch."""
 
     def __init__(self, dataset, budget, n_shards=1, shard=0, seed=0, shuffle=True):
-        assert 0 <= shard < n_shards, f"shard {shard} must be in [0, n_shards={n_shards})"
-        assert budget > 0, f"budget must be a positive number of tokens, got {budget}"
+        assert 0 <= shard < n_shards and budget > 0, (shard, n_shards, budget)
         self.ds, self.budget, self.n_shards, self.shard = dataset, budget, n_shards, shard
-        self.seed, self.shuffle = seed, shuffle
-        self.epoch = self.step = 0
+        self.seed, self.shuffle, self.epoch, self.step, self._planned = seed, shuffle, 0, 0, None
         self._len = np.minimum(dataset.lengths, budget)
         self.truncated = int((dataset.lengths > budget).sum())
         self.truncated_tokens = int((dataset.lengths - self._len).sum())
-        self._planned = None
         self._plan()
 
     def _plan(self):
@@ -302,12 +295,11 @@ class Packer:
 
     def seek(self, steps):
         """Go to the position after `steps` rows of this shard since the start of epoch 0 (epochs
-        differ in length, so this walks the epoch plans; lengths only, no token is read)."""
+        differ in length: this walks the epoch plans, lengths only)."""
         self.epoch = 0
         self._plan()
         while steps > self.steps_per_epoch:
-            steps -= self.steps_per_epoch
-            self.epoch += 1
+            steps, self.epoch = steps - self.steps_per_epoch, self.epoch + 1
             self._plan()
         self.step = steps
 
