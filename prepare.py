@@ -3,16 +3,13 @@ JSONL -> a dataset for train.py in data.py's format: DIR/train and, with --val, 
 
     python prepare.py --input answers.jsonl --out data/mix --tokenizer /ckpt/Qwen3.6-27B \\
         --chat-template-kwargs '{"enable_thinking": true}' --val 0.005 --workers 16
-    python prepare.py stats data/mix --budget 8192     # what it will teach (prepare.py stats -h)
 
-A line is {"input_ids": [...], "loss_mask": [...]} (mask optional, default all ones), or a chat,
-{"messages": [...], "tools": [...]} (OpenAI format; ShareGPT "conversations" too), rendered with
-the --tokenizer checkpoint's own chat template and tokenizer.json as the serving engine renders
-it, the loss mask on exactly the tokens the target generated (pip install tokenizers jinja2).
---turns all trains each assistant turn in the context serving gave it (a turn the template
-re-renders once later turns exist, as Qwen drops earlier thinking, gets a sample of its own);
---turns last the final turn only. Every bad line is reported by number and counted; more than
---max-bad of them fails the command, and nothing is written.
+A line is {"input_ids": [...], "loss_mask": [...]} (mask optional, default all ones) or a chat
+({"messages": [...], "tools": [...]}; ShareGPT "conversations" too), rendered with the --tokenizer
+checkpoint's template and tokenizer.json as the serving engine renders it, the loss mask on exactly
+the tokens the target generated (pip install tokenizers jinja2), shown on the first sample at the
+end; --turns: each assistant turn as served (all) or the final one (last). Every bad line is
+reported by number and counted; more than --max-bad of them fails the command, nothing written.
 """
 import argparse
 import hashlib
@@ -27,32 +24,27 @@ from datetime import datetime
 
 import numpy as np
 
-from data import (ArgParser, Bad, DataError, Packer, Writer, kwargs_arg, load_line, number,
+from data import (ArgParser, Bad, DataError, Writer, kwargs_arg, load_line, number,
                   open_dataset, package, summary)
 
 # -----------------------------------------------------------------------------
 # a JSONL line's conversation: OpenAI messages, ShareGPT conversations or a prompt
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
-# ShareGPT speaker names -> OpenAI roles (FastChat's and SpecForge's readers accept these)
-SHAREGPT_ROLES = dict(human="user", user="user", gpt="assistant", assistant="assistant",
-                      chatgpt="assistant", bing="assistant", bard="assistant", model="assistant",
-                      system="system", tool="tool", function="tool", observation="tool")
+# ShareGPT speakers -> OpenAI roles (FastChat's, SpecForge's); the roles themselves pass as is
+SHAREGPT_ROLES = dict(human="user", gpt="assistant", chatgpt="assistant", bing="assistant",
+                      bard="assistant", model="assistant", function="tool", observation="tool")
 
 def conversation(obj):
     """A JSONL object ({"messages"}, ShareGPT {"conversations"} or {"prompt": str}) -> its OpenAI
     messages, every key passed through (content, reasoning_content, tool_calls, ...); raises Bad."""
     if not isinstance(obj, dict):
         raise Bad("not a JSON object", f"got {type(obj).__name__}")
-    if "conversations" in obj and "messages" not in obj:  # ShareGPT
-        turns = obj["conversations"]
-        if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
-            raise Bad("bad conversations", 'need a list of {"from": str, "value": str}')
-        unknown = {t.get("from") for t in turns} - set(SHAREGPT_ROLES)
-        if unknown:
-            raise Bad("unknown role", f"ShareGPT \"from\" {sorted(map(str, unknown))}, expected "
-                      f"one of {sorted(SHAREGPT_ROLES)}")
-        msgs = [{"role": SHAREGPT_ROLES[t["from"]], "content": t.get("value")} for t in turns]
+    if "conversations" in obj and "messages" not in obj:  # ShareGPT: a "from" not in the table
+        msgs = obj["conversations"]                          # passes as the role, checked below
+        if isinstance(msgs, list) and all(isinstance(t, dict) for t in msgs):
+            msgs = [{"role": SHAREGPT_ROLES.get(t.get("from"), t.get("from")),
+                     "content": t.get("value")} for t in msgs]
     elif "messages" in obj or not isinstance(obj.get("prompt"), str):
         msgs = obj.get("messages")
     else:
@@ -75,8 +67,7 @@ def tools_of(obj):
     return tools
 
 # -----------------------------------------------------------------------------
-# chat lines: the checkpoint's own template, rendered the way the serving engine renders it, and a
-# loss mask on exactly what the target generated
+# chat lines: rendered as the serving engine renders them, the loss mask on what the target made
 
 def _jinja_env():
     """transformers' apply_chat_template environment (chat_template_utils.py): SGLang's, vLLM's."""
@@ -84,14 +75,11 @@ def _jinja_env():
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class Generation(jinja2.ext.Extension):
-        # {% generation %}...{% endgeneration %} marks assistant text for transformers' own masks;
-        # ours come from comparing renderings, so its body renders unchanged
+        # {% generation %} marks text for transformers' masks; ours compare renderings: body as is
         tags = {"generation"}
-
         def parse(self, parser):
             next(parser.stream)
             return parser.parse_statements(("name:endgeneration",), drop_needle=True)
-
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
 
@@ -106,9 +94,8 @@ def _jinja_env():
 
 def _template_messages(msgs):
     """Messages as the engines hand them to the template: tool-call arguments parsed from JSON
-    (vLLM's _postprocess_messages, SGLang: an empty list of calls dropped, missing arguments {}),
-    the first of reasoning_content, thinking, reasoning under the first two (transformers'
-    aliases)."""
+    (vLLM's _postprocess_messages, SGLang: no empty list of calls, missing arguments {}), the
+    first of reasoning_content, thinking, reasoning under the first two (transformers')."""
     out = []
     for i, m in enumerate(msgs):
         m = dict(m)
@@ -144,17 +131,13 @@ def split_think(content):
     return reasoning, content.split("</think>")[-1].lstrip("\n")
 
 def _answer_parts(m):
-    """(reasoning, [text pieces]) a rendered assistant turn must contain."""
-    c = m.get("content")
+    """The texts a rendered assistant turn must contain: its reasoning and its content's text,
+    inline thinking split out as the template splits it."""
+    c, r = m.get("content"), m.get("reasoning_content")
     pieces = [c] if isinstance(c, str) else [p["text"] for p in c or () if isinstance(p, dict)
                                             and isinstance(p.get("text"), str)]
-    r = m.get("reasoning_content")
-    if not isinstance(r, str):
-        r = ""
-        for k, p in enumerate(pieces):
-            if "</think>" in p:
-                r, pieces[k] = split_think(p)
-    return r.strip(), [p.strip() for p in pieces if p.strip()]
+    pieces = [x for p in pieces for x in (split_think(p) if "</think>" in p else [p])]
+    return [x.strip() for x in [r if isinstance(r, str) else "", *pieces] if x.strip()]
 
 def _json_file(name):  # a checkpoint's optional JSON file: {} when absent
     try:
@@ -166,9 +149,8 @@ def _json_file(name):  # a checkpoint's optional JSON file: {} when absent
         raise DataError(f"{name} is not valid JSON ({e})")
 
 class Chat:
-    """A checkpoint's chat template and tokenizer.json, applied as a serving engine applies them:
-    rendered with the special tokens' strings and the --chat-template-kwargs as variables, then
-    tokenized adding no special tokens, as transformers' apply_chat_template does."""
+    """A checkpoint's chat template and tokenizer.json applied as transformers' apply_chat_template
+    (so SGLang, vLLM) applies them: special tokens, kwargs as variables; no special tokens added."""
 
     def __init__(self, path, kwargs=None, cmd="prepare.py --tokenizer"):
         jinja2, tokenizers = package("jinja2", cmd), package("tokenizers", cmd)
@@ -184,15 +166,12 @@ class Chat:
         # chat_template.jinja wins over tokenizer_config.json, as in transformers' loader
         self.source = os.path.join(path, "chat_template.jinja")
         if os.path.isfile(self.source):
-            with open(self.source) as f:
-                text = f.read()
+            text = open(self.source).read()
         else:
             text, self.source = cfg.get("chat_template"), cfg_path
-            if isinstance(text, list):  # [{"name", "template"}, ...]: transformers uses "default"
-                text = {t.get("name"): t.get("template") for t in text}.get("default")
-        if not isinstance(text, str):
+        if not isinstance(text, str):  # a list of named ones (older checkpoints) is refused too
             raise DataError(f"{path} has no chat template: neither chat_template.jinja nor a "
-                            "\"chat_template\" in tokenizer_config.json")
+                            "\"chat_template\" string in tokenizer_config.json")
         if not os.path.isfile(tok_file):
             raise DataError(f"{path} has no tokenizer.json (the fast tokenizer chat lines need)")
         self.path, self.kwargs = os.path.abspath(path), dict(kwargs or {})
@@ -280,21 +259,15 @@ class Chat:
         for s, lim, i in spans:
             stop = np.flatnonzero((a >= s) & (b <= lim) & eos)
             e = int(b[stop[0]]) if len(stop) else lim
-            inside = (a >= s) & (b <= e)
-            mask |= inside
+            mask |= (a >= s) & (b <= e)
             # a token the BPE merged across the prompt's end belongs to neither: unsupervised
             n["straddle"] += int(((a < s) & (b > s)).sum())
-            answer, m = text[s:e], msgs[i]
-            r, pieces = _answer_parts(m)
-            lost = [x for x in [r] * bool(r) + pieces if x not in answer]
+            lost = [x for x in _answer_parts(msgs[i]) if x not in text[s:e]]
             if lost:
                 n["not_intact"] += 1
                 notes.append(("not intact", f"turn {i}: {lost[0][:40]!r} is not in the "
                               "supervised text"))
-            p = answer.find(r) if r else -1
-            think = int((inside & (a >= s + p) & (a < s + p + len(r))).sum()) if p >= 0 else 0
-            n.update(thinking_tokens=think, answer_tokens=int(inside.sum()) - think, trained=1,
-                     length=m.get("finish_reason") == "length")
+            n.update(trained=1, length=msgs[i].get("finish_reason") == "length")
         return ids, mask.astype(np.uint8)
 
 # -----------------------------------------------------------------------------
@@ -338,8 +311,7 @@ def _init(chat, *args):  # chat: a Chat, None, or (path, kwargs) to build one in
     _args = (Chat(*chat) if isinstance(chat, tuple) else chat, *args)
 
 def _work(chunk):
-    """[(lineno, line)] -> [(lineno, _parse's result; for a bad line (None, {}, [Bad's args]);
-    None for a blank one)]"""
+    """[(lineno, line)] -> [(lineno, _parse's result, (None, {}, [Bad's args]) or None if blank)]"""
     out = []
     for lineno, line in chunk:
         try:
@@ -349,8 +321,8 @@ def _work(chunk):
     return out
 
 def _processed(f, workers, chat, *args):
-    """_work over f's lines, in order: one at a time in this process, or chunks of 64 in a pool of
-    `workers` with at most 2 chunks per worker in flight, so memory stays flat."""
+    """_work over f's lines, in order: one at a time here, or chunks of 64 in a pool of `workers`
+    with at most 2 chunks per worker in flight, so memory stays flat."""
     lines = enumerate(f, 1)
     chunks = iter(lambda: list(itertools.islice(lines, 64 if workers > 1 else 1)), [])
     if workers <= 1:
@@ -368,12 +340,11 @@ def _processed(f, workers, chat, *args):
             yield from pending.popleft().get()
 
 CHAT_COUNTS = ("assistant_turns", "trained", "own_sample", "not_as_served", "not_intact", "length",
-               "straddle", "thinking_tokens", "answer_tokens")
+               "straddle")
 
 def prepare(input, out, tokenizer=None, val=None, vocab_size=None, force=False, max_bad=0.01,
             log=print, chat_template_kwargs=None, turns="all", workers=1):
-    """JSONL -> out/train and, if val (a count >= 1 or a fraction in (0, 1)) is given, out/val.
-    tokenizer: a checkpoint directory (tokenizer.json + chat template) for chat lines."""
+    """JSONL -> out/train and, if val (a count >= 1 or a fraction in (0, 1)) is given, out/val."""
     if not os.path.isfile(input):
         raise DataError(f"input file {input} not found")
     chat = Chat(tokenizer, chat_template_kwargs) if tokenizer else None
@@ -390,8 +361,7 @@ def prepare(input, out, tokenizer=None, val=None, vocab_size=None, force=False, 
     total = blank = 0
     t0 = last = time.time()
     try:
-        for s in splits:
-            writers.append(Writer(os.path.join(out, s), vocab_size, force))
+        writers.extend(Writer(os.path.join(out, s), vocab_size, force) for s in splits)
         with open(input, "rb") as f:
             for lineno, res in _processed(f, workers, chat, vocab_size or 2**32, turns, input):
                 if res is None:
@@ -413,130 +383,76 @@ def prepare(input, out, tokenizer=None, val=None, vocab_size=None, force=False, 
                 for ids, mask in samples or ():
                     writers[held_out].add(ids, mask)
                 if time.time() - last > 5:
-                    last, n_tok = time.time(), sum(w.n_tokens for w in writers)
-                    log(f"prepare: {total - bad.total()} lines | "
-                        f"{n_tok / 1e6:.2f}M tokens | {n_tok / (last - t0) / 1e6:.2f}M tokens/s")
+                    last, n = time.time(), sum(w.n_tokens for w in writers) / 1e6
+                    log(f"prepare: {total} lines, {n:.2f}M tokens, {n / (last - t0):.2f}M/s")
         n_bad = bad.total()
         if blank:
             log(f"ignored {blank} blank lines")
         if n_bad:
             log(f"skipped {n_bad} of {total} lines: "
                 + ", ".join(f"{c} {k}" for k, c in bad.items()))
-        if total == 0:
-            raise DataError(f"{input} is empty")
         if n_bad == total:
-            raise DataError(f"{input}: none of its {total} lines is a valid sample (see above)")
+            raise DataError(f"{input}: none of its {total} lines is a valid sample (see above)"
+                            if total else f"{input} is empty")
         if n_bad > max_bad * total:
             raise DataError(f"{input}: {n_bad} of {total} lines ({n_bad / total:.1%}) are bad, "
-                            f"more than --max-bad {max_bad:g}; "
-                            "fix the input, or raise --max-bad to accept the loss")
+                            f"more than --max-bad {max_bad:g}; fix the input, or raise it")
         # checked before either split is committed: a lone train/ would train with no eval
         for w, s in zip(writers, splits):
             if w.n == 0:
                 raise DataError(f"{input}: every line of the {s} split is bad (see above), so "
                                 f"{w.out} would be empty; fix those lines or change --val")
-        # what made these tokens, so stats (and a reader) can tell
-        made = lambda c: dict(chat=dict(tokenizer=chat.path, template=chat.source,
-                                        template_sha256=chat.sha256, kwargs=chat.kwargs,
-                                        turns=turns, **{k: c[k] for k in CHAT_COUNTS}))
-        metas = [w.commit(source=input, split=s, **(made(c) if chat else {}))
-                 for w, s, c in zip(writers, splits, counts)]
+        metas = [w.commit(source=input, split=s, **({} if chat is None else {"chat": dict(
+            tokenizer=chat.path, template=chat.source, template_sha256=chat.sha256,
+            kwargs=chat.kwargs, turns=turns, **{k: c[k] for k in CHAT_COUNTS})}))
+                 for w, s, c in zip(writers, splits, counts)]  # what made the tokens: meta.json
     except BaseException:
         for w in writers:
             w.abort()
         raise
-    if force and not n_val and os.path.exists(os.path.join(out, "val")):
-        # a stale split from an earlier run would silently mismatch
+    if force and not n_val and os.path.exists(os.path.join(out, "val")):  # a stale one mismatches
         shutil.rmtree(os.path.join(out, "val"))
         log(f"removed the old {os.path.join(out, 'val')}")
     summary(out, metas, t0, log)
+    # what the drafter will learn, before a GPU hour is spent on it (what --budget cuts: train.py)
+    ds = open_dataset(os.path.join(out, "train"))
+    L, n = np.sort(ds.lengths), len(ds) - 1  # not np.percentile: its import alone grows the process
+    log(f"tokens per sample: p50 {L[n // 2]}, p99 {L[int(0.99 * n)]}, max {L[-1]}")
     if chat:
         c = counts[0] + counts[1]
-        log(f"chat: {c['trained']} of {c['assistant_turns']} assistant turns trained "
-            f"({c['own_sample']} in a sample of their own, rendered as served), "
-            f"{c['not_as_served']} not as served (skipped), {c['not_intact']} not intact, "
+        log(f"chat: {c['trained']} of {c['assistant_turns']} assistant turns trained ("
+            f"{c['own_sample']} in a sample of their own), {c['not_as_served']} not as served "
+            f"(skipped), {c['not_intact']} not intact, {c['length']} cut at max tokens, "
             f"{c['straddle']} tokens straddling a prompt's end (unsupervised)")
-    stats(os.path.join(out, "train"), log=log, show=None)
+        ids, mask = ds.sample(0)
+        runs = np.split(np.arange(len(ids)), np.flatnonzero(np.diff(mask.astype(np.int8))) + 1)
+        text = "".join(("«{}»" if mask[r[0]] else "{}").format(
+            chat.tok.decode(ids[r].tolist(), skip_special_tokens=False)) for r in runs)
+        log(f"{ds.path}, sample 0, supervised between « and »:\n{text}")
     return metas
-
-# -----------------------------------------------------------------------------
-# stats: what the drafter will learn, before a GPU hour is spent on it
-
-def stats(path, budget=8192, tokenizer=None, show=0, log=print):
-    """What a prepared dataset will teach: counts, length percentiles, what --budget cuts,
-    thinking vs answer tokens, and one sample printed back with its supervised spans between «
-    and » (show: which; None: none)."""
-    ds = open_dataset(path)
-    L, sup, n_tok = ds.lengths, ds.n_supervised, int(ds.meta["n_tokens"])
-    log(f"{ds.path}: {len(ds)} samples, {n_tok} tokens, {sup} supervised ({sup / n_tok:.1%})")
-    srt = np.sort(L)  # not np.percentile: its import alone grows the process
-    p50, p90, p99 = (int(srt[int(q * (len(srt) - 1))]) for q in (0.5, 0.9, 0.99))
-    log(f"tokens per sample: p50 {p50}, p90 {p90}, p99 {p99}, max {srt[-1]}")
-    p = Packer(ds, budget, shuffle=False)  # what train.py's --budget cuts
-    cut = p.truncated_supervised()
-    log(f"--budget {budget}: {p.truncated} samples ({p.truncated / len(ds):.1%}) are longer; the "
-        f"cut drops {cut} supervised tokens ({cut / max(sup, 1):.1%})")
-    chat = ds.meta.get("chat")
-    if chat:
-        t, a = chat["thinking_tokens"], chat["answer_tokens"]
-        log(f"supervised: {t} thinking tokens ({t / max(t + a, 1):.1%}), {a} answer tokens; "
-            f"{chat['length']} of {chat['trained']} turns cut by max tokens (finish_reason "
-            f"length) | rendered with {chat['template']} (sha256 {chat['template_sha256'][:12]}), "
-            f"kwargs {json.dumps(chat['kwargs'])}")
-    if show is None:
-        return
-    if not 0 <= show < len(ds):
-        raise DataError(f"--sample {show}: {ds.path} has samples 0..{len(ds) - 1}")
-    ids, mask = ds.sample(show)
-    tok_file = os.path.join(tokenizer or (chat or {}).get("tokenizer") or "", "tokenizer.json")
-    tok = (package("tokenizers", "prepare.py stats").Tokenizer.from_file(tok_file)
-           if tok_file != "tokenizer.json" and os.path.isfile(tok_file) else None)
-    text = ""
-    for run in np.split(np.arange(len(ids)), np.flatnonzero(np.diff(mask.astype(np.int8))) + 1):
-        piece = (tok.decode(ids[run].tolist(), skip_special_tokens=False) if tok
-                 else " ".join(map(str, ids[run].tolist())))
-        text += f"«{piece}»" if mask[run[0]] else piece
-    log(f"sample {show}: {len(ids)} tokens, {int(mask.sum())} supervised, between « and »"
-        f"{'' if tok else ' (token ids: no tokenizer; pass --tokenizer DIR)'}:\n{text}")
 
 def _val_arg(s):  # --val: a number of lines (>= 1) or a fraction of them in (0, 1)
     v = float(s)
     if not (0 < v < 1 or (v >= 1 and v == int(v))):
-        raise argparse.ArgumentTypeError(f"{s}: give a number of samples >= 1 "
-                                         "or a fraction in (0, 1)")
+        raise argparse.ArgumentTypeError(f"{s}: give a number of samples >= 1 or a fraction in "
+                                         "(0, 1)")
     return v if v < 1 else int(v)
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["stats"]:
-        run, argv = stats, argv[1:]
-        ap = ArgParser(prog="prepare.py stats", description=stats.__doc__)
-        arg = ap.add_argument
-        arg("path", metavar="DIR", help="prepare's OUT, or OUT/train, OUT/val")
-        arg("--budget", type=number(int, 1), default=8192,
-            help="tokens per row you will train with (default 8192)")
-        arg("--tokenizer", help="checkpoint dir to decode the sample with (default: prepare's)")
-        arg("--sample", dest="show", type=int, default=0, help="which sample to print (default 0)")
-    else:
-        run = prepare
-        ap = ArgParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-        arg = ap.add_argument
-        arg("--input", required=True, help="JSONL, one sample a line (input_ids or messages)")
-        arg("--out", required=True, help="output directory; gets train/ and, with --val, val/")
-        arg("--tokenizer", help="checkpoint dir whose chat template and tokenizer render chats")
-        arg("--chat-template-kwargs", type=kwargs_arg, default={},
-            help="JSON object of template variables: those you serve with")
-        arg("--turns", choices=("all", "last"), default="all",
-            help="assistant turns to train: all, each as served (default), or last")
-        arg("--workers", type=number(int, 1), default=1,
-            help="processes rendering and tokenizing (default 1)")
-        arg("--val", type=_val_arg, help="held-out lines: a count or a fraction in (0, 1)")
-        arg("--vocab-size", type=int, help="ids >= this make a line bad (default: the tokenizer's)")
-        arg("--max-bad", type=float, default=0.01,
-            help="fail if more than this fraction of lines is bad (default 0.01)")
-        arg("--force", action="store_true", help="overwrite existing DIR/train and DIR/val")
+    ap = ArgParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    arg = ap.add_argument
+    arg("--input", required=True, help="JSONL, one sample a line (input_ids or messages)")
+    arg("--out", required=True, help="output directory; gets train/ and, with --val, val/")
+    arg("--tokenizer", help="checkpoint dir whose chat template and tokenizer render chats")
+    arg("--chat-template-kwargs", type=kwargs_arg, default={}, help="JSON: those you serve with")
+    arg("--turns", choices=("all", "last"), default="all", help="assistant turns to train")
+    arg("--workers", type=number(int, 1), default=1, help="processes rendering (default 1)")
+    arg("--val", type=_val_arg, help="held-out lines: a count or a fraction in (0, 1)")
+    arg("--vocab-size", type=int, help="ids >= this make a line bad (default: the tokenizer's)")
+    arg("--max-bad", type=float, default=0.01, help="fraction of bad lines to fail at (0.01)")
+    arg("--force", action="store_true", help="overwrite existing DIR/train and DIR/val")
     try:
-        run(**vars(ap.parse_args(argv)))
+        prepare(**vars(ap.parse_args(argv)))
     except DataError as e:
         sys.exit(f"error: {e}")
 

@@ -1,21 +1,17 @@
 """
-The target's own answers, through its OpenAI-compatible server(s) (SGLang, vLLM), for prepare.py
-(needs the openai and tqdm packages; a server started with --api-key: set OPENAI_API_KEY):
+The target's own answers through its OpenAI-compatible server(s) (SGLang, vLLM), for prepare.py
+(pip install openai tqdm; a server started with --api-key: set OPENAI_API_KEY):
 
     python regenerate.py --input prompts.jsonl --out answers.jsonl --server localhost:30000 \\
         --model /ckpt/Qwen3.6-27B
 
-Each input line (messages, ShareGPT conversations or a prompt; its "tools" are sent) is written
-to OUT as it finishes, {"input_line": N, <its other fields>, "messages": [...]}, with every
-assistant turn answered again in order and a final answer after a last user turn (if it has tool
-calls or results, only the final answer: the results answer the original calls). Answers keep
-"reasoning_content" (any server's field, or inline <think>), "finish_reason" ("length": cut at
---max-tokens) and "usage". Defaults are SpecForge's (scripts/regenerate_train_data.py).
-With thinking on, a server whose first 8 finished answers carry no reasoning (it runs without
---reasoning-parser qwen3) is stopped before any of its lines is written. Failed requests are
-retried unless refused (HTTP 4xx but 408, 429); lines that still fail go to OUT.failed.jsonl with
-the input's bad lines, and the exit status is 1. Safe to stop at any time: --resume asks only for
-the lines OUT lacks, failed ones included.
+Each input line (messages, ShareGPT conversations or a prompt; "tools" sent) goes to OUT as it
+finishes, {"input_line": N, <its other fields>, "messages": [...]}: every assistant turn answered
+again in order, and a last user turn too (with tool calls or results, only the final answer);
+answers keep "reasoning_content", "finish_reason" and "usage". Defaults are SpecForge's. With
+thinking on, a server whose first 8 finished answers carry no reasoning stops the run before any
+of its lines is written. Failed requests are retried unless refused (HTTP 4xx but 408, 429); lines
+still failing go to OUT.failed.jsonl, exit status 1. Safe to kill: --resume asks only for the rest.
 """
 import argparse
 import asyncio
@@ -32,9 +28,6 @@ from collections import Counter, defaultdict
 from data import ArgParser, Bad, DataError, kwargs_arg, load_line, number, package
 from prepare import conversation, split_think, tools_of
 
-THINK_CHECK = 8  # finished answers per server with no reasoning at all before we stop
-POOL = 16        # concurrent requests per HTTP connection pool (see regenerate's client())
-
 def _server_url(s):  # --server: host:port, http://host:port or http://host:port/v1
     s = ("" if "://" in s else "http://") + s.rstrip("/")
     return s if s.endswith("/v1") else s + "/v1"
@@ -47,8 +40,7 @@ def _wire(m):
     return {**m, "reasoning_content": r, "reasoning": r} if r is not None else m
 
 def _turns(obj, last):
-    """A prompt line -> (history before the first answer to regenerate, the messages from it on,
-    tools); which turns: the module's docstring."""
+    """A prompt line -> (the history before the first answer to regenerate, the rest, tools)."""
     msgs, tools = conversation(obj), tools_of(obj)
     if last or any(m["role"] == "tool" or m.get("tool_calls") for m in msgs):
         i = len(msgs) - (msgs[-1]["role"] == "assistant")
@@ -82,8 +74,7 @@ def _done_lines(out, resume, log):
 def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temperature=0.7,
                top_p=None, top_k=None, chat_template_kwargs=None, timeout=3600.0, retries=5,
                backoff=1.0, resume=False, limit=None, turns="all", log=print):
-    """Prompts JSONL -> `out` (the module's docstring). Returns the counts; raises DataError when
-    lines failed (then --resume retries them)."""
+    """Prompts JSONL -> `out` (the module's docstring). Returns the counts; raises DataError."""
     openai, tqdm = package("openai", "regenerate.py"), package("tqdm", "regenerate.py").tqdm
     if not os.path.isfile(input):
         raise DataError(f"input file {input} not found")
@@ -129,15 +120,7 @@ def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temp
         if n["failed"] + n["bad"] <= 20:
             tqdm.write(f"{input}:{lineno}: {why}")
         fails.write(json.dumps({"input_line": lineno, "error": why}, ensure_ascii=False) + "\n")
-        fails.flush()
-        tick()
-
-    def tick():
         bar.update(1)
-        t = max(time.time() - t0, 1e-9)
-        bar.set_postfix_str(f"{n['answers'] / t:.1f} req/s, {n['tokens'] / t:.0f} tok/s, "
-                            f"written {n['lines']}, truncated {n['truncated']}, "
-                            f"failed {n['failed'] + n['bad']}", refresh=False)
 
     async def ask(client, url, history, tools):
         req = dict(model=model, messages=[_wire(m) for m in history], **sampling,
@@ -188,14 +171,13 @@ def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temp
             unthinking[url] += not reasoning
             if reasoning:
                 verified.add(url)
-            elif unthinking[url] >= THINK_CHECK:
+            elif unthinking[url] >= 8:  # finished answers, none with any reasoning
                 raise DataError(no_thinking(url))
         return ans
 
     def no_thinking(url):
-        return (f"{url} returned no reasoning in {unthinking[url]} finished answers (no "
-                "reasoning_content / reasoning field, no </think> in the content) with thinking "
-                "on: start the server with --reasoning-parser qwen3 (SGLang and vLLM), or pass "
+        return (f"{url} returned no reasoning in {unthinking[url]} finished answers with thinking "
+                "on: start the server with --reasoning-parser qwen3 (SGLang, vLLM), or pass "
                 "--chat-template-kwargs '{\"enable_thinking\": false}' if you serve without "
                 f"thinking; nothing from {url} was written")
 
@@ -209,16 +191,10 @@ def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temp
             except Bad as e:  # the request failed for good: (server, why)
                 fail(lineno, e, "failed")
                 streak[url] += 1
-                if streak[url] < 2 * concurrency:
-                    continue
-                # every line failing: the server is down; its lines go to the others
-                if streak[url] == 2 * concurrency:
-                    tqdm.write(f"{url}: the last {streak[url]} lines all failed; no more "
-                               "requests go there")
-                if all(streak[u] >= 2 * concurrency for u in servers):
-                    raise DataError(f"every server fails every request (last: "
-                                    f"{': '.join(e.args)}); fix them, then rerun with --resume")
-                return
+                if streak[url] >= 2 * concurrency:  # every line failing: the server is down
+                    raise DataError(f"{url} fails every request: the last {streak[url]} lines all "
+                                    f"failed (last: {e.args[1]}); fix it, then rerun with --resume")
+                continue
             streak[url] = 0
             keep = {k: v for k, v in obj.items()
                     if k not in ("input_line", "messages", "conversations", "prompt")}
@@ -226,15 +202,14 @@ def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temp
                                      ensure_ascii=False) + "\n"]
             if url in verified:  # lines wait until their server has shown its reasoning
                 outf.writelines(held.pop(url))
-                outf.flush()
             n["lines"] += 1
-            tick()
+            bar.update(1)
 
     tls = ssl.create_default_context()  # one for all pools: each build reads the CA store
 
     def client(url):
-        # a client, so a connection pool, per POOL workers: a pool's work per request grows with
-        # its connections, and POOL workers open at most POOL (under openai's default limits)
+        # a client, so a connection pool, per 16 workers: a pool's work per request grows with
+        # its connections, and 16 workers open at most 16 (under openai's default limits)
         return openai.AsyncOpenAI(base_url=url, api_key=key, timeout=timeout, max_retries=0,
                                   http_client=openai.DefaultAsyncHttpxClient(verify=tls))
 
@@ -242,7 +217,7 @@ def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temp
         clients, tasks = [], []
         try:
             for url, i in itertools.product(servers, range(concurrency)):
-                clients += [client(url)] * (i % POOL == 0)
+                clients += [client(url)] * (i % 16 == 0)
                 tasks.append(asyncio.ensure_future(worker(clients[-1], url)))
             await asyncio.gather(*tasks)
         finally:  # a worker's error: cancel the others before their clients close
@@ -255,29 +230,24 @@ def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temp
     todo, it = sum(1 for _ in pending()), jobs()
     if done:
         log(f"resuming: {len(done)} lines already in {out}, {todo} to go")
-    with open(out, "a", encoding="utf-8") as outf, \
-            open(failed_path, "w", encoding="utf-8") as fails, \
+    # line-buffered: each line is flushed as it is written, so a kill can cut only the last
+    with open(out, "a", encoding="utf-8", buffering=1) as outf, \
+            open(failed_path, "w", encoding="utf-8", buffering=1) as fails, \
             tqdm(total=todo, unit="line", dynamic_ncols=True,
                  mininterval=0.1 if sys.stderr.isatty() else 10) as bar:  # a log: every 10 s
         t0, cpu0 = time.time(), time.process_time()
-        try:
-            asyncio.run(run())
-        except KeyboardInterrupt:
-            raise DataError(f"interrupted; the {n['lines']} lines written are kept: rerun with "
-                            "--resume to continue")
+        asyncio.run(run())
         for url, lines in held.items():  # servers that never finished an answer: nothing to judge
             if lines and unthinking[url]:
                 raise DataError(no_thinking(url))
             outf.writelines(lines)
     t, cpu = time.time() - t0, time.process_time() - cpu0
     # near 100% of a core, this client is what limits the servers
-    log(f"regenerate: wrote {n['lines']} lines to {out} ({n['answers']} answers, "
-        f"{n['truncated']} cut at --max-tokens {max_tokens}); {n['failed']} failed, "
-        f"{n['bad']} bad input lines; {n['retries']} retries; {n['tokens']} tokens in {t:.1f}s "
-        f"({n['answers'] / t:.1f} requests/s, {n['tokens'] / t:.0f} tokens/s; this client "
-        f"used {cpu / t:.0%} of a CPU core, {cpu / max(n['answers'], 1) * 1e3:.2f} ms a request)")
-    if n["failed"] + n["bad"]:
-        log(f"the {n['failed'] + n['bad']} lines not written are listed in {failed_path}")
+    log(f"regenerate: wrote {n['lines']} lines to {out} ({n['answers']} answers, {n['truncated']} "
+        f"cut at --max-tokens {max_tokens}); {n['failed']} failed, {n['bad']} bad input lines "
+        f"(listed in {failed_path}); {n['retries']} retries; {n['tokens']} tokens in {t:.1f}s "
+        f"({n['answers'] / t:.1f} requests/s; this client used {cpu / t:.0%} of a CPU core, "
+        f"{cpu / max(n['answers'], 1) * 1e3:.2f} ms a request)")
     if n["failed"]:
         raise DataError(f"{n['failed']} lines failed on the server (see above); "
                         "rerun with --resume to retry them")
@@ -293,22 +263,17 @@ def main(argv=None):
     arg("--server", dest="servers", metavar="URL", required=True, action="append",
         help="http://host:port[/v1] of an SGLang/vLLM server; repeat for several")
     arg("--model", required=True, help="the model name the servers serve")
-    arg("--concurrency", type=number(int, 1), default=64,
-        help="requests in flight per server (default 64, SpecForge's)")
-    arg("--max-tokens", type=number(int, 1), default=4096,
-        help="max generated tokens per answer, thinking included (default 4096)")
+    arg("--concurrency", type=number(int, 1), default=64, help="requests in flight per server (64)")
+    arg("--max-tokens", type=number(int, 1), default=4096, help="per answer, thinking too (4096)")
     arg("--temperature", type=float, default=0.7, help="default 0.7")
     arg("--top-p", type=float, help="default: not sent (server's)")
     arg("--top-k", type=int, help="default: not sent (server's)")
-    arg("--chat-template-kwargs", type=kwargs_arg,
-        help="JSON object for the server's chat template (default: none sent)")
-    arg("--turns", choices=("all", "last"), default="all",
-        help="all: answer every assistant turn in order (default); last: the final one")
+    arg("--chat-template-kwargs", type=kwargs_arg, help="JSON for the servers' chat template")
+    arg("--turns", choices=("all", "last"), default="all", help="assistant turns to answer")
     arg("--timeout", type=number(float, 0, above=True), default=3600,
         help="seconds one request may take (default 3600)")
     arg("--retries", type=number(int, 0), default=5, help="retries of a failed request (default 5)")
-    arg("--backoff", type=number(float, 0), default=1.0,
-        help="seconds before the first retry, doubling, +-50%% jitter (default 1)")
+    arg("--backoff", type=number(float, 0), default=1.0, help="seconds to the 1st retry, doubling")
     arg("--resume", action="store_true", help="continue OUT: ask only for the lines it lacks")
     arg("--limit", type=number(int, 1), help="only the first N lines of --input (default all)")
     try:
