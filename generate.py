@@ -21,17 +21,12 @@ import torch
 import torch.nn.functional as F
 
 from target import Target, TargetConfig, positions_from_cu
-from model import Drafter, DrafterConfig, row_attention
+from model import Drafter, row_attention
 from data import ArgParser, Bad, DataError, demo_of, kwargs_arg, load_line, number, open_dataset
 from prepare import Chat
 
 # -----------------------------------------------------------------------------
 # the decodes
-
-def _forward(target, ids, layer_ids, at):
-    # one target forward over the whole sequence: features [T, n_feat*H], logits [len(at), vocab]
-    cu = torch.tensor([0, len(ids)])
-    return target.features_and_logits(ids, cu, layer_ids, at=torch.tensor(at, device=ids.device))
 
 def speculative(target, drafter, prompt, max_new, eos=()):
     """Greedy speculative decoding of `prompt` [P] with Drafter.propose (the serving forward) ->
@@ -45,15 +40,6 @@ def speculative(target, drafter, prompt, max_new, eos=()):
     (new,), (cycles,) = speculative_sampling(target, draft, [prompt], max_new, 0, None,
                                              c.block_size, c.target_layer_ids, eos)
     return new, cycles, 1 + len(cycles)
-
-def drafter_sampler(drafter, embed, head, temperature, generator):
-    """draft(feats, tokens, doc, pos, anchors) -> (B-1 proposals per anchor [n, B-1], their
-    distributions [n, B-1, vocab]), sampled from the drafter's softmax(logits / temperature)."""
-    def draft(feats, tokens, doc, pos, anchors):
-        logits = propose_at(drafter, feats, tokens, doc, pos, anchors, embed, head, argmax=False)
-        q = (logits / temperature).softmax(-1)
-        return torch.multinomial(q.flatten(0, 1), 1, generator=generator).view(q.shape[:2]), q
-    return draft
 
 def _packed(seqs):
     # sequences as the documents of one row: ids, cu_seqlens (CPU), doc and pos (on the device)
@@ -81,7 +67,9 @@ def speculative_sampling(target, draft, prompts, max_new, temperature, generator
     seqs = [torch.cat([p, first[j:j + 1]]) for j, p in enumerate(prompts)]
     # features of each prompt's committed positions but its last (the anchor: none yet)
     ctx, cycles = [feats[cu[j]:cu[j + 1]] for j in range(len(prompts))], [[] for _ in prompts]
-    live = [j for j, t in enumerate(first.tolist()) if t not in eos and max_new > 1]
+    news = [[t] for t in first.tolist()]    # the committed tokens, on the host
+    going = lambda j: len(news[j]) < max_new and not any(t in eos for t in news[j][-B:])
+    live = list(filter(going, range(len(prompts))))
     while live:
         # one draft call for every live anchor (a placeholder feature row there), one target
         # forward over every prompt + its proposals, packed as the documents of one row
@@ -97,23 +85,20 @@ def speculative_sampling(target, draft, prompts, max_new, temperature, generator
         acc = (u * qx < px).long().cumprod(1).sum(1)               # u < p/q, without dividing by 0
         rest = (p - F.pad(q, (0, 0, 0, 1)))[torch.arange(len(live), device=dev), acc]  # q: 0 at B
         bonus = sample(rest.clamp(min=0))                 # max(p - q, 0); multinomial renormalises
-        ended = set()      # one copy to the host per cycle, not a sync per prompt
-        for i, (j, c, xs, b) in enumerate(zip(live, acc.tolist(), x.tolist(), bonus.tolist())):
+        xs, bs = x.tolist(), bonus.tolist()     # one copy to the host per cycle, not per prompt
+        for i, (j, c) in enumerate(zip(live, acc.tolist())):
             seqs[j] = torch.cat([seqs[j], x[i, :c], bonus[i:i + 1]])
             ctx[j] = feats[int(cu[i]):int(cu[i]) + len(seqs[j]) - 1]
-            cycles[j].append(c + 1)
-            if len(seqs[j]) - len(prompts[j]) >= max_new or any(t in eos for t in xs[:c] + [b]):
-                ended.add(j)
-        live = [j for j in live if j not in ended]
-    # the committed tokens up to max_new, cut after the first end-of-sequence token
-    news = [s[len(p):len(p) + max_new].tolist() for s, p in zip(seqs, prompts)]
+            news[j], cycles[j] = news[j] + xs[i][:c] + [bs[i]], cycles[j] + [c + 1]
+        live = list(filter(going, live))
+    news = [n[:max_new] for n in news]          # cut after the first end-of-sequence token
     return [next((n[:i + 1] for i, t in enumerate(n) if t in eos), n) for n in news], cycles
 
 def greedy(target, prompt, max_new, eos=()):
     """Plain greedy decoding, one full-sequence target forward per token. Returns the new tokens."""
     seq = prompt
     for _ in range(max_new):
-        seq = torch.cat([seq, _forward(target, seq, (), [len(seq) - 1])[1].argmax(-1)])
+        seq = torch.cat([seq, target.logits(seq, torch.tensor([0, len(seq)]), at=[-1]).argmax(-1)])
         if int(seq[-1]) in eos:
             break
     return seq[len(prompt):].tolist()
@@ -121,11 +106,11 @@ def greedy(target, prompt, max_new, eos=()):
 def divergence(target, prompt, spec, ref):
     """None if the two decodes agree; else a line naming the first differing new token and whether
     the target's own top-2 logits there are close enough for rounding to flip."""
-    i = next((i for i, (s, r) in enumerate(zip(spec, ref)) if s != r), min(len(spec), len(ref)))
-    if i == len(spec) == len(ref):
+    if spec == ref:
         return None
+    i = next((i for i, (s, r) in enumerate(zip(spec, ref)) if s != r), min(len(spec), len(ref)))
     ids = torch.cat([prompt, prompt.new_tensor(ref[:i])])
-    top, second = _forward(target, ids, (), [len(ids) - 1])[1][0].topk(2).values.tolist()
+    top, second = target.logits(ids, torch.tensor([0, len(ids)]), at=[-1])[0].topk(2)[0].tolist()
     bf16 = target.embed_tokens.weight.dtype == torch.bfloat16   # bf16 keeps 8 significant bits
     near = top - second <= (2 ** -7 if bf16 else 1e-4) * abs(top)
     s, r = (x[i] if i < len(x) else "end" for x in (spec, ref))
@@ -151,76 +136,53 @@ def evaluate(target, drafter, prompts, max_new, eos=(), log=print):
         f"{hist_line(r['hist'])}\nspeculative == greedy on {same}/{len(prompts)} prompts")
     return r
 
-@torch.inference_mode()
-def show_block(target, drafter, prompt, path, log=print):
-    """The first drafted block of `prompt` as text (`path`/tokenizer.json) beside the target's."""
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        return log("(pip install tokenizers to see a drafted block as text)")
-    tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
-    B, P = drafter.config.block_size, len(prompt)
-    want = greedy(target, prompt, B)         # the prefill's token (the anchor), then the block's
-    ctx = _forward(target, prompt, drafter.config.target_layer_ids, [P - 1])[0]
-    draft, _ = drafter.propose(ctx, torch.arange(P, device=prompt.device), prompt.new_tensor(
-        want[0]), P, target.embed_tokens.weight, target.lm_head.weight)
-    acc = int((draft.cpu() == torch.tensor(want[1:])).cumprod(0).sum())
-    log(f"prompt 0 ends {tok.decode(prompt[-24:].tolist())!r}, the target adds "
-        f"{tok.decode(want[:1])!r}\n  drafted block: {tok.decode(draft.tolist())!r}\n"
-        f"  the target's:  {tok.decode(want[1:])!r} ({acc} of {B - 1} accepted)")
-
 # -----------------------------------------------------------------------------
-# tau by replay: no decoding
+# tau by replay: no decoding; tau under sampling
 
-def propose_at(drafter, feats, tokens, doc, pos, anchors, embed, head, argmax=True):
+def propose_at(drafter, target, feats, tokens, doc, pos, anchors, argmax=True):
     """Drafter.propose for N anchors of one packed row at once, each block's context the features
     of its document before its anchor (the training mask, dense): feats [S, n_feat*H],
     tokens/doc/pos [S], anchors [N] ascending -> proposals [N, B-1] (argmax=False: logits)."""
     c, k = drafter.config, torch.arange(drafter.config.block_size, device=tokens.device)
     block = torch.where(k == 0, tokens[anchors][:, None], c.mask_token_id)  # [N, B]: anchor, masks
     attend = row_attention(c, anchors, torch.ones_like(anchors, dtype=torch.bool), doc, len(tokens))
-    h = drafter.hidden(feats, pos, F.embedding(block.view(-1), embed),
+    h = drafter.hidden(feats, pos, F.embedding(block.view(-1), target.embed_tokens.weight),
                        (pos[anchors][:, None] + k).view(-1), attend)
-    logits = (h.view(len(anchors), c.block_size, -1)[:, 1:] @ head.t()).float()
+    logits = (h.view(len(anchors), c.block_size, -1)[:, 1:] @ target.lm_head.weight.t()).float()
     return logits.argmax(-1) if argmax else logits
 
 @torch.inference_mode()
 def replay(target, drafter, seqs, prompt_lens, max_new, eos=(), batch=64):
     """speculative()'s acc+1 per cycle per prompt, without decoding: its output is the greedy
-    continuation, so one target forward over prompt j (prompt_lens[j] ids of seqs[j]) and >= max_new
-    + B - 1 ids of its continuation (past any eos: a last cycle may accept beyond it) gives every
-    context feature and verifying argmax. Also returns how many continuation tokens differ from
-    the forward's argmax (0 unless the decode and the forward round differently)."""
-    B, taps = drafter.config.block_size, drafter.config.target_layer_ids
-    embed, head = target.embed_tokens.weight, target.lm_head.weight
-    dev, out, differ, k = embed.device, [], 0, torch.arange(B, device=embed.device)
-    eos_t, need = torch.tensor(sorted(eos) or [-1], device=dev), max_new + B - 1
+    continuation, so one forward over prompt j (prompt_lens[j] ids of seqs[j]) and >= max_new + B-1
+    ids of its continuation (past any eos: a last cycle may accept beyond it) gives every context
+    feature and verifying argmax. Also: continuation tokens that differ from the argmax (0 unless
+    the decode and the forward round differently)."""
+    c, dev, out, differ = drafter.config, target.lm_head.weight.device, [], 0
+    B, k, eos_t = c.block_size, torch.arange(c.block_size, device=dev), torch.tensor(
+        sorted(eos) or [-1], device=dev)
+    short = [j for j, (x, p) in enumerate(zip(seqs, prompt_lens)) if len(x) < p + max_new + B - 1]
+    assert not short, f"replay: sequences {short} too short: each needs prompt + {max_new + B - 1}"
     for s in range(0, len(seqs), batch):
         chunk, P = seqs[s:s + batch], torch.tensor(prompt_lens[s:s + batch])
         row, cu, doc, pos = _packed([x.to(dev) for x in chunk])
-        short = [j for j, (x, p) in enumerate(zip(chunk, P.tolist())) if len(x) < p + need]
-        assert not short, (f"replay: sequence {s + short[0]} has {len(chunk[short[0]])} tokens, "
-                           f"needs prompt + {need}")
-        feats, logits = target.features_and_logits(row, cu, taps)
+        feats, logits = target.features_and_logits(row, cu, c.target_layer_ids)
         post = logits.argmax(-1)                 # [S]: the target's next token after each position
-        new = (pos >= P.to(dev)[doc]) & (pos > 0)
-        differ += int(((row[1:] != post[:-1]) & new[1:]).sum())
+        differ += int(((row[1:] != post[:-1]) & (pos >= P.to(dev)[doc])[1:] & (pos[1:] > 0)).sum())
         a0 = (cu[:-1] + P).to(dev)               # each prompt's first anchor: the prefill's token
         a, done = a0.clone(), torch.isin(post[a0 - 1], eos_t) | (max_new <= 1)
-        cycles = [[] for _ in chunk]
+        out += [[] for _ in chunk]
         while not bool(done.all()):
             live = (~done).nonzero()[:, 0]
             at = a[live]
-            draft = propose_at(drafter, feats, row, doc, pos, at, embed, head)      # [n, B-1]
+            draft = propose_at(drafter, target, feats, row, doc, pos, at)          # [n, B-1]
             want = post[at[:, None] + k]                                            # [n, B]
             acc = (draft == want[:, :-1]).long().cumprod(1).sum(1)
-            # committed this cycle: want[:, :acc+1] (the accepted proposals and the bonus)
-            hit = torch.isin(want, eos_t) & (k <= acc[:, None])
-            a[live] = at + acc + 1
-            done[live] = hit.any(1) | (a[live] - a0[live] + 1 >= max_new)      # tokens committed
+            a[live] = at + acc + 1     # committed: want[:, :acc+1], the accepted and the bonus
+            done[live] = ((torch.isin(want, eos_t) & (k <= acc[:, None])).any(1)
+                          | (a[live] - a0[live] + 1 >= max_new))
             for j, x in zip(live.tolist(), (acc + 1).tolist()):
-                cycles[j].append(x)
-        out += cycles
+                out[s + j].append(x)
     return out, differ
 
 def tau_summary(cycles, block_size):
@@ -249,10 +211,13 @@ def hist_line(hist):
 
 @torch.inference_mode()
 def sampled_tau(target, drafter, prompts, max_new, temperature, seed, eos=()):
-    """tau_summary of speculative sampling at `temperature`, drafter_sampler's proposals, seeded."""
+    """tau_summary of speculative sampling, the drafter's proposals from softmax(logits / T)."""
     c, g = drafter.config, torch.Generator(prompts[0].device).manual_seed(seed)
-    draft = drafter_sampler(drafter, target.embed_tokens.weight, target.lm_head.weight,
-                            temperature, g)
+
+    def draft(feats, tokens, doc, pos, anchors):      # [n, B-1] proposals, [n, B-1, V] their q
+        q = (propose_at(drafter, target, feats, tokens, doc, pos, anchors, argmax=False)
+             / temperature).softmax(-1)
+        return torch.multinomial(q.flatten(0, 1), 1, generator=g).view(q.shape[:2]), q
     return tau_summary(speculative_sampling(target, draft, prompts, max_new, temperature, g,
                                             c.block_size, c.target_layer_ids, eos)[1], c.block_size)
 
@@ -261,7 +226,7 @@ def load_target(path, device, dtype):
     return (Target.from_pretrained(path, device=device, dtype=dtype) if os.path.isdir(path)
             else Target.build(TargetConfig.preset(path), device=device, dtype=dtype))
 
-def _device(device=None):
+def device_dtype(device=None):   # default: the GPU if any; bf16 there, fp32 on the CPU
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return device, torch.bfloat16 if device.type == "cuda" else torch.float32
 
@@ -270,11 +235,10 @@ def replay_dataset(target_path, drafter_path, data_dir, max_new, n=None, device=
     """tau by replay on a dataset of prompts (loss mask 0) each followed by its greedy continuation
     (mask 1, >= max_new + B - 1 tokens past any eos), as quality.py writes them: tau_summary's
     dict, plus `differ`. temperature > 0: sampled_tau's dict from the same prompts, seeded."""
-    device, dtype = _device(device)
+    device, dtype = device_dtype(device)
     target = load_target(target_path, device, dtype)
     drafter = Drafter.from_pretrained(drafter_path, device=device, dtype=dtype)
-    seqs, lens = zip(*_samples(data_dir, n))
-    eos = set(hf_eos(target_path))
+    (seqs, lens), eos = zip(*_samples(data_dir, n)), set(hf_eos(target_path))
     if temperature:
         return sampled_tau(target, drafter, [s[:p].to(device) for s, p in zip(seqs, lens)],
                            max_new, temperature, seed, eos)
@@ -325,9 +289,8 @@ def hf_eos(path):
 def main(argv=None):
     ap = ArgParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     arg = ap.add_argument
-    arg("--target", default="tiny", help="Qwen3.5/3.6 checkpoint dir, or a preset (random "
-        "weights): tiny, qwen3.6-27b, qwen3.5-35b-a3b, qwen3.6-35b-a3b")
-    arg("--drafter", required=True, help="train.py's OUT/drafter, or `random` (untrained)")
+    arg("--target", default="tiny", help="Qwen3.5/3.6 checkpoint dir, or a target.py preset")
+    arg("--drafter", required=True, help="train.py's OUT/drafter (a z-lab format drafter dir)")
     arg("--data", help="prepared dataset dir: prompts from DATA/val; default ./data/demo")
     arg("--prompts", help="JSONL of chats instead (messages, ShareGPT conversations or "
         "{\"prompt\": str}; a final assistant message dropped), rendered as the engine does")
@@ -337,51 +300,41 @@ def main(argv=None):
     arg("--num-prompts", type=number(int, 1), default=8, help="prompts taken")
     arg("--max-new-tokens", type=number(int, 1), default=256, help="tokens decoded per prompt")
     arg("--eos", help="comma-separated end-of-sequence ids; default: the checkpoint's")
-    arg("--seed", type=number(int, 0), default=0, help="of --drafter random and of sampling")
-    arg("--temperature", type=number(float, 0), default=0.0,
-        help="0: greedy; > 0: tau of speculative sampling at this temperature")
+    arg("--seed", type=number(int, 0), default=0, help="of --temperature's sampling")
+    arg("--temperature", type=number(float, 0), default=0.0, help="> 0: speculative sampling")
     arg("--replay", action="store_true", help="tau by replay: the same tau, without decoding")
     args = ap.parse_args(argv)
     try:
-        eos = [int(x) for x in args.eos.split(",")] if args.eos else None
+        eos = {int(x) for x in args.eos.split(",")} if args.eos else None
     except ValueError:
         sys.exit(f"error: --eos {args.eos}: comma-separated token ids, e.g. --eos 248046,248044")
     if args.prompts and not args.tokenizer:
         sys.exit("error: --prompts needs --tokenizer DIR (its chat template renders them)")
-    device, dtype = _device()
-    # the drafter and the prompts before the target: a bad file fails in seconds, not after
-    # loading the target's weights; a missing or broken one is one line naming it
+    if not os.path.exists(os.path.join(args.drafter, "config.json")):
+        sys.exit(f"error: --drafter {args.drafter}: no config.json there (train.py's OUT/drafter)")
+    device, dtype = device_dtype()
+    # the drafter and the prompts before the target's weights: a bad file fails in seconds
     try:
         tcfg = (TargetConfig.from_hf(args.target) if os.path.isdir(args.target)
                 else TargetConfig.preset(args.target))
-        if args.drafter == "random":      # train.py's default geometry, seeded
-            torch.manual_seed(args.seed)
-            drafter = Drafter(DrafterConfig.from_target(tcfg)).to(device, dtype)
-        elif not os.path.exists(os.path.join(args.drafter, "config.json")):
-            sys.exit(f"error: --drafter {args.drafter}: no config.json there; pass train.py's "
-                     "OUT/drafter")
-        else:
-            drafter = Drafter.from_pretrained(args.drafter, device=device, dtype=dtype)
-        c, V, L = drafter.config, tcfg.vocab_size, tcfg.num_hidden_layers
-        misfit = [m for bad, m in [
-            ((c.hidden_size, c.vocab_size) != (tcfg.hidden_size, V), f"hidden size "
-             f"{c.hidden_size}, vocab {c.vocab_size}; the target's {tcfg.hidden_size}, {V}"),
-            (max(c.target_layer_ids) >= L,
-             f"target_layer_ids {c.target_layer_ids} past the target's {L} layers"),
-            (not 0 <= c.mask_token_id < V, f"mask_token_id {c.mask_token_id} outside the vocab")]
-            if bad]
-        if misfit:
-            sys.exit(f"error: --drafter {args.drafter} does not fit --target {args.target}: "
-                     + misfit[0])
+        drafter = Drafter.from_pretrained(args.drafter, device=device, dtype=dtype)
         prompts = (chat_prompts(args.prompts, args.tokenizer, args.num_prompts,
                                 args.chat_template_kwargs) if args.prompts
                    else dataset_prompts(args.data or demo_of(args.target)[0], args.num_prompts))
-        if not prompts:
-            sys.exit("error: no prompts (empty --prompts file or val split)")
-        bad = [i for i, p in enumerate(prompts) if int(p.max()) >= V]
-        if bad:
-            sys.exit(f"error: prompt {bad[0]} has token ids past the target's vocab ({V}): wrong "
-                     "tokenizer or dataset for this target")
+        c, V, L, H = drafter.config, tcfg.vocab_size, tcfg.num_hidden_layers, tcfg.hidden_size
+        fit, bad = f"--drafter {args.drafter} does not fit --target {args.target}: ", [
+            i for i, p in enumerate(prompts) if int(p.max()) >= V]
+        for wrong, msg in [
+                ((c.hidden_size, c.vocab_size) != (H, V), f"{fit}hidden size {c.hidden_size}, "
+                 f"vocab {c.vocab_size}; the target's {H}, {V}"),
+                (max(c.target_layer_ids) >= L,
+                 f"{fit}target_layer_ids {c.target_layer_ids} past the target's {L} layers"),
+                (not 0 <= c.mask_token_id < V, f"{fit}mask_token_id {c.mask_token_id} outside "
+                 "the vocab"), (not prompts, "no prompts (empty --prompts file or val split)"),
+                (bad, f"prompts {bad} have token ids past the target's vocab ({V}): wrong "
+                 "tokenizer or dataset for this target")]:
+            if wrong:
+                sys.exit(f"error: {msg}")
         target = load_target(args.target, device, dtype)
     except (ValueError, KeyError, OSError) as e:       # DataError is a ValueError
         sys.exit(f"error: {e}")
@@ -392,10 +345,7 @@ def main(argv=None):
           f"{sorted(eos) or 'none'}")
     prompts, t0 = [p.to(device) for p in prompts], time.time()
     if not (args.temperature or args.replay):
-        r = evaluate(target, drafter, prompts, N, eos)
-        if os.path.exists(os.path.join(args.target, "tokenizer.json")):
-            show_block(target, drafter, prompts[0], args.target)
-        return r
+        return evaluate(target, drafter, prompts, N, eos)
     if args.temperature:
         r = sampled_tau(target, drafter, prompts, N, args.temperature, args.seed, eos)
         how = f"sampling at T = {args.temperature}"

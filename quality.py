@@ -1,18 +1,13 @@
 """
-How many tokens does a drafter trained here get accepted, on a target that has learned something?
-This builds (or reuses) a small Qwen3.5 target trained from scratch on Python source that every
-machine running this trainer has (the standard library, numpy and torch; files split by a hash of
-their path: 80% train the target, 10% give the drafter's prompts, 5% dev, 5% test) and its answers
-as the recipe makes them (at temperature 0.7, SpecForge's default), trains a drafter with train.py
-and prints tau, the accepted length per speculative cycle, replayed exactly on greedy continuations
-of held-out prompts (32-192 tokens from a line start), mean +- 95% CI. All is cached under --work by
-its settings; runs side by side share it safely.
+tau of a drafter trained here, on a target that has learned something: a small Qwen3.5 target
+trained from scratch on Python source every machine running this trainer has (the standard library,
+numpy, torch), its answers as the recipe makes them (temperature 0.7, SpecForge's default), a
+drafter trained on them by train.py, and tau replayed exactly on greedy continuations of held-out
+prompts, mean +- 95% CI. All is cached under --work by its settings; runs side by side share it.
 
   python quality.py                              # build or reuse; the defaults; tau on test
   python quality.py --split dev -- --lr 1e-3     # tune on dev: flags after -- go to train.py
   python quality.py --curve 1500,3000,4500       # tau of runs of these many steps: converged?
-  python quality.py --tau-temperature 1 -- --kd 0.5   # distilled; tau greedy and sampled at T = 1
-  python quality.py --build-only                 # the target and its data, nothing else
 """
 import argparse
 import contextlib
@@ -30,8 +25,12 @@ import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
+import torch
+import torch.nn.functional as F
 
+import generate
 from data import ArgParser, DataError, cut_at_eos, number, package, write_dataset
+from target import Docs, Target, TargetConfig, positions_from_cu, rope_cos_sin
 
 EOT, MASK = "<|endoftext|>", "<|mask|>"   # ids 0 and vocab-1 (train.py's default mask id)
 SKIP = {"test", "tests", "testing", "__pycache__", "site-packages", "dist-packages", "idlelib",
@@ -99,7 +98,6 @@ def once(path, make, key=None):
 
 def corpus(max_files=0):
     # [(split, text)] of the .py files of the stdlib, numpy and torch (no tests), in a fixed order
-    import torch
     files = []
     for name, root in [("stdlib", sysconfig.get_paths()["stdlib"]),
                        ("numpy", os.path.dirname(np.__file__)),
@@ -108,8 +106,7 @@ def corpus(max_files=0):
             dirs[:] = sorted(x for x in dirs if x not in SKIP and not x.startswith("config-"))
             for f in sorted(n for n in names if n.endswith(".py")):
                 rel = f"{name}/{os.path.relpath(os.path.join(d, f), root)}"
-                with open(os.path.join(d, f), encoding="utf-8", errors="replace") as fh:
-                    text = fh.read()
+                text = open(os.path.join(d, f), encoding="utf-8", errors="replace").read()
                 h = int(hashlib.sha1(rel.encode()).hexdigest()[:8], 16) % 100
                 split = "train" if h < 80 else "draft" if h < 90 else "dev" if h < 95 else "test"
                 if text.strip():
@@ -121,10 +118,9 @@ def tokenized(b, tdir=None):
     every file as token ids + EOT, per split."""
     tk, files = package("tokenizers", "quality.py"), corpus(b.max_files)
     texts = {s: [t for sp, t in files if sp == s] for s in ("train", "draft", "dev", "test")}
-    if tdir:
-        tok = tk.Tokenizer.from_file(os.path.join(tdir, "tokenizer.json"))
-    else:
-        tok = tk.Tokenizer(tk.models.BPE())
+    tok = (tk.Tokenizer.from_file(os.path.join(tdir, "tokenizer.json")) if tdir
+           else tk.Tokenizer(tk.models.BPE()))
+    if not tdir:
         tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = tk.decoders.ByteLevel()
         tok.train_from_iterator(texts["train"], tk.trainers.BpeTrainer(
@@ -133,56 +129,49 @@ def tokenized(b, tdir=None):
         tok.add_special_tokens([MASK])   # never in the text: the drafter's mask slots, last id
         assert tok.token_to_id(EOT) == 0 and tok.token_to_id(MASK) == b.vocab - 1
     enc = {s: [np.array(e.ids + [0], "i4") for e in tok.encode_batch(t)] for s, t in texts.items()}
-    print(f"corpus: {len(files)} files, {sum(map(len, enc['train'])) / 1e6:.2f}M train tokens | "
-          + " ".join(f"{s} {len(v)} files" for s, v in texts.items()))
+    print(f"corpus: {len(files)} files, {sum(map(len, enc['train'])) / 1e6:.2f}M train tokens")
     return tok, enc
 
 # -----------------------------------------------------------------------------
 # the target: a Qwen3.5 text model through target.py's own layers, saved as an HF checkpoint
 
 def hf_config(b):
-    heads = max(1, b.hidden // 64)
     # heads of 64 (kv heads a third, GDN key heads half); under 256 wide the `tiny` preset's
     # layout (4 heads of hidden/2, GDN 2 key and 4 value heads of hidden/4), the demo's geometry
-    att = dict(num_attention_heads=heads, num_key_value_heads=max(1, heads // 3), head_dim=64,
-               linear_num_key_heads=max(1, heads // 2), linear_num_value_heads=heads,
-               linear_key_head_dim=64, linear_value_head_dim=64) if b.hidden >= 256 else dict(
-        num_attention_heads=4, num_key_value_heads=2, head_dim=b.hidden // 2,
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=b.hidden // 4,
-        linear_value_head_dim=b.hidden // 4)
-    return dict(architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text",
-                vocab_size=b.vocab, hidden_size=b.hidden, intermediate_size=b.intermediate,
-                num_hidden_layers=b.layers, full_attention_interval=4,
-                layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
-                             for i in range(b.layers)], **att, linear_conv_kernel_dim=4,
-                rms_norm_eps=1e-6, hidden_act="silu", max_position_embeddings=4096,
-                rope_parameters=dict(rope_type="default", rope_theta=100000.0,
-                                     partial_rotary_factor=0.25),
+    n = max(1, b.hidden // 64)
+    h, kv, d, gk, gv, gd = ((n, max(1, n // 3), 64, max(1, n // 2), n, 64) if b.hidden >= 256
+                            else (4, 2, b.hidden // 2, 2, 4, b.hidden // 4))
+    kinds = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(b.layers)]
+    return dict(architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text", vocab_size=b.vocab,
+                hidden_size=b.hidden, intermediate_size=b.intermediate, num_hidden_layers=b.layers,
+                full_attention_interval=4, layer_types=kinds, num_attention_heads=h,
+                num_key_value_heads=kv, head_dim=d, linear_num_key_heads=gk,
+                linear_num_value_heads=gv, linear_key_head_dim=gd, linear_value_head_dim=gd,
+                linear_conv_kernel_dim=4, rms_norm_eps=1e-6, hidden_act="silu",
+                max_position_embeddings=4096, rope_parameters=dict(
+                    rope_type="default", rope_theta=100000.0, partial_rotary_factor=0.25),
                 tie_word_embeddings=False, eos_token_id=0, torch_dtype="bfloat16")
 
 def save_hf(model, cfg, tok, out, shard_bytes=15 << 20):
-    """config.json, generation_config.json, tokenizer.json and bf16 safetensors shards of at most
-    shard_bytes (small enough to travel between machines) with their index."""
-    import torch
+    """config.json, generation_config.json, tokenizer.json and safetensors shards (bf16; the GDN's
+    A_log and dt_bias fp32) of at most shard_bytes (small enough to travel between machines) with
+    their index."""
     from safetensors.torch import save_file
     os.makedirs(out, exist_ok=True)
-    state = {("lm_head.weight" if k == "lm_head.weight" else "model." + k):
-             v.detach().to(torch.bfloat16 if v.dtype == torch.float32 and not
-                           k.endswith(("A_log", "dt_bias")) else v.dtype).cpu().contiguous()
+    state = {("" if k == "lm_head.weight" else "model.") + k: (v if v.dtype != torch.float32 or
+             k.endswith(("A_log", "dt_bias")) else v.to(torch.bfloat16)).detach().cpu().contiguous()
              for k, v in model.state_dict().items()}
     shards, size, where = [{}], 0, {}
     for k, v in state.items():
-        n = v.nbytes
-        if shards[-1] and size + n > shard_bytes:
+        if shards[-1] and size + v.nbytes > shard_bytes:
             shards, size = shards + [{}], 0
-        shards[-1][k], size = v, size + n
+        shards[-1][k], size = v, size + v.nbytes
     for i, s in enumerate(shards):
         name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         save_file(s, os.path.join(out, name), metadata=dict(format="pt"))
         where.update(dict.fromkeys(s, name))
-    total = dict(total_size=sum(v.nbytes for v in state.values()))
-    for name, obj in (("model.safetensors.index.json", dict(metadata=total, weight_map=where)),
-                      ("config.json", cfg),
+    index = dict(metadata=dict(total_size=sum(v.nbytes for v in state.values())), weight_map=where)
+    for name, obj in (("model.safetensors.index.json", index), ("config.json", cfg),
                       ("generation_config.json", dict(eos_token_id=cfg["eos_token_id"]))):
         with open(os.path.join(out, name), "w") as f:
             json.dump(obj, f, indent=1)
@@ -191,31 +180,27 @@ def save_hf(model, cfg, tok, out, shard_bytes=15 << 20):
 def train_target(b, cfg, stream, dev_stream, device):
     """AdamW on next-token cross-entropy over random rows of the train stream: the model, the train
     and the dev loss. The GDN core is target.py's plain-torch delta rule, compiled on GPU."""
-    import torch
-    from target import Docs, Target, TargetConfig, positions_from_cu, rope_cos_sin
     tc = TargetConfig(**{k: v for k, v in cfg.items() if k in TargetConfig.__dataclass_fields__},
                       rope_theta=cfg["rope_parameters"]["rope_theta"])
-    cuda = device.type == "cuda"
+    B, T, cuda = b.batch, b.seq, device.type == "cuda"
     torch._dynamo.config.recompile_limit = 64   # pad_docs: a frame of its own seen in many shapes
     torch.manual_seed(b.seed)
     model = Target.build(tc, device=device).requires_grad_(True)
-    B, T = b.batch, b.seq
     cu = torch.arange(0, B * T + 1, T)
     docs = Docs.of(cu, device, kernels=False)     # every row one document
     rope = rope_cos_sin(positions_from_cu(cu).to(device),
                         int(tc.head_dim * tc.partial_rotary_factor), tc.rope_theta)
     # one compiled graph per layer kind (the layers share their code), the rest eager
-    run_layer = torch.compile(lambda layer, h: layer(h, rope, docs)) if cuda else (
-        lambda layer, h: layer(h, rope, docs))
+    run_layer = (torch.compile if cuda else lambda f: f)(lambda layer, h: layer(h, rope, docs))
 
+    @torch.autocast(device.type, torch.bfloat16, enabled=cuda)
     def step_loss(s):   # on B random rows of stream s
         rows = np.stack([s[a:a + T + 1] for a in rng.integers(0, len(s) - T - 1, B)])
         rows = torch.from_numpy(rows.astype(np.int64)).to(device)
         h = model.embed_tokens(rows[:, :-1].reshape(-1))
         for layer in model.layers:
             h = run_layer(layer, h)
-        logits = model.lm_head(model.norm(h)).float()
-        return torch.nn.functional.cross_entropy(logits, rows[:, 1:].reshape(-1))
+        return F.cross_entropy(model.lm_head(model.norm(h)).float(), rows[:, 1:].reshape(-1))
     groups = [dict(params=[p for p in model.parameters() if (p.dim() >= 2) == matrix],
                    weight_decay=0.1 if matrix else 0.0) for matrix in (True, False)]
     opt = torch.optim.AdamW(groups, lr=b.lr, betas=(0.9, 0.95), fused=cuda)
@@ -225,8 +210,7 @@ def train_target(b, cfg, stream, dev_stream, device):
             math.pi * (step - warm) / max(1, b.steps - warm))))
         for g in opt.param_groups:
             g["lr"] = lr
-        with torch.autocast(device.type, torch.bfloat16, enabled=cuda):
-            loss = step_loss(stream)
+        loss = step_loss(stream)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -236,8 +220,7 @@ def train_target(b, cfg, stream, dev_stream, device):
             print(f"target step {step}/{b.steps} | loss {float(loss.detach()):.3f} | lr {lr:.2e} | "
                   f"{time.time() - t0:.1f}s", flush=True)
     # grad on, as the compiled layers were traced: under no_grad each of them would recompile
-    with torch.autocast(device.type, torch.bfloat16, enabled=cuda):
-        dev_loss = sum(float(step_loss(dev_stream).detach()) for _ in range(8)) / 8
+    dev_loss = sum(float(step_loss(dev_stream).detach()) for _ in range(8)) / 8
     return model.requires_grad_(False), float(torch.stack(losses[-50:]).mean()), dev_loss
 
 # -----------------------------------------------------------------------------
@@ -256,7 +239,6 @@ def cut_prompts(docs, n, rng, tok, lo=32, hi=192):
     return out
 
 def continued(target, prompts, new, temperature, seed, device, chunk=4096):
-    import torch
     g, out = torch.Generator(device).manual_seed(seed), []
     for c in range(0, len(prompts), chunk):
         ps = [torch.from_numpy(p.astype(np.int64)).to(device) for p in prompts[c:c + chunk]]
@@ -267,8 +249,6 @@ def continued(target, prompts, new, temperature, seed, device, chunk=4096):
 def build(b, work, device):
     """The target dir, the data dir and build.json's dict for settings b, built once. Builds sharing
     a target take turns: one started beside another making its target waits, then copies it."""
-    import torch
-    from target import Target
     root = os.path.join(work, f"build-{b.key()}")
 
     def make(tmp):
@@ -278,8 +258,7 @@ def build(b, work, device):
             write_dataset(os.path.join(tmp, "data", name), ((np.concatenate([p, a]), np.arange(
                 len(p) + len(a)) >= len(p)) for p, a in zip(prompts, answers)), b.vocab)
         for path in sorted(glob.glob(os.path.join(work, "build-" + "[0-9a-f]" * 10, "build.json"))):
-            with open(path) as f:
-                old = json.load(f)
+            old = json.load(open(path))
             if all(old["settings"].get(k) == getattr(b, k) for k in TARGET_FIELDS):
                 print(f"reusing the target of {os.path.dirname(path)}")
                 shutil.copytree(os.path.join(os.path.dirname(path), "target"), tdir)
@@ -292,8 +271,7 @@ def build(b, work, device):
                                           np.concatenate(enc["dev"]), device)
             save_hf(model, cfg, tok, tdir)
         # from here on the target as every user of the checkpoint sees it: bf16 (fp32 on CPU), fla
-        target = Target.from_pretrained(tdir, device=device, dtype=torch.bfloat16 if
-                                        device.type == "cuda" else torch.float32)
+        target = generate.load_target(tdir, *generate.device_dtype(device))
         rng = np.random.default_rng(b.seed)
         prompts = {s: cut_prompts(enc[s], n, rng, tok) for s, n in
                    (("draft", b.train_prompts), ("dev", b.eval_prompts), ("test", b.eval_prompts))}
@@ -309,21 +287,19 @@ def build(b, work, device):
             json.dump(dict(settings=asdict(b), train_loss=losses[0], dev_loss=losses[1],
                            seconds=dict(total=time.time() - t0), device=str(device)), f, indent=1)
     made = once(root, make, key=os.path.join(work, f"target-{b.key(TARGET_FIELDS)}"))
-    with open(os.path.join(root, "build.json")) as f:
-        info = json.load(f)
+    info = json.load(open(os.path.join(root, "build.json")))
     print("built" if made else "reusing the target and data in", root, f"(build time "
           f"{info['seconds']['total']:.0f}s): target loss train {info['train_loss']:.3f} dev "
           f"{info['dev_loss']:.3f}")
     return os.path.join(root, "target"), os.path.join(root, "data"), info
 
-def export_demo(b, tdir, info, out, n_train=512, n_val=64):
+def export_demo(b, tdir, out, n_train=512, n_val=64):
     """The demo target (train.py --target demo): the checkpoint, its build record, and prompts of
     16-48 tokens from the drafter's files (train) and the dev files (val) as token ids."""
     tok, enc = tokenized(b, tdir)
     rng, arrays = np.random.default_rng(b.seed), {}
     shutil.copytree(tdir, out, dirs_exist_ok=True)
-    with open(os.path.join(out, "build.json"), "w") as f:
-        json.dump(info, f, indent=1)
+    shutil.copy(os.path.join(os.path.dirname(tdir), "build.json"), out)
     for split, src, n in (("train", "draft", n_train), ("val", "dev", n_val)):
         ps = cut_prompts(enc[src], n, rng, tok, lo=16, hi=48)
         arrays[split] = np.concatenate(ps).astype(np.int16 if b.vocab <= 2**15 else np.int32)
@@ -337,66 +313,48 @@ def main(argv=None):
     ap = ArgParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = ap.add_argument
     add("--work", default=os.path.join(HERE, "data", "quality"), help="cache of builds and runs")
-    add("--out", help="train.py's --out (-N per --curve count; default WORK/run-<hash>)")
     add("--split", choices=("dev", "test"), default="test", help="tune on dev, report on test")
     add("--prompts", type=number(int, 1), help="replayed prompts (default: all of the split)")
     add("--tau-temperature", type=number(float, 0), default=0.0, help="> 0: also tau sampled at T")
     add("--curve", metavar="N,N,...", help="a train.py run per N (--max-steps N), tau of each")
     add("--build-only", action="store_true", help="build the target and data, stop")
-    add("--export-demo", metavar="DIR", help="build, then write the target and prompts of code to "
-        "DIR as train.py's demo target (the repo's demo/), stop")
+    add("--export-demo", metavar="DIR", help="write the target to DIR as train.py's demo, stop")
     for f, v in asdict(Build()).items():
         add("--target-" + f.replace("_", "-"), type=type(v), default=v, dest=f, help=f"Build.{f}")
     args = ap.parse_args(argv[:cut])
-    import torch
-    import generate
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    b, t0 = Build(**{f: getattr(args, f) for f in asdict(Build())}), time.time()
+    b, device = Build(**{f: getattr(args, f) for f in asdict(Build())}), generate.device_dtype()[0]
     try:
         tdir, ddir, info = build(b, args.work, device)
     except DataError as e:
         sys.exit(f"error: {e}")
     if args.export_demo:
-        return export_demo(b, tdir, info, args.export_demo)
+        return export_demo(b, tdir, args.export_demo)
     defaults = ["--anchors", "128", "--budget", "4096", "--eval-rows", "16"]
     for steps in [] if args.build_only else map(int, args.curve.split(",")) if args.curve else [0]:
         flags = [*defaults, *argv[cut + 1:], *(["--max-steps", str(steps)] if steps else [])]
         if not {"--max-steps", "--epochs"} & set(flags):    # train.py takes one or the other
             flags += ["--epochs", "12"]
         key = hashlib.sha1(json.dumps([b.key(), flags]).encode()).hexdigest()[:10]
-        out = ((f"{args.out}-{steps}" if steps else args.out) if args.out
-               else os.path.join(args.work, f"run-{key}"))
+        out = os.path.join(args.work, f"run-{key}")     # train.py's --out, by build and flags
         cmd = [sys.executable, os.path.join(HERE, "train.py"), "--target", tdir, "--data", ddir,
                "--out", out, "--overwrite", *flags]
         with lock(out):   # a peer training into the same --out waits for this run's tau
             print("train: " + " ".join(cmd[1:]), flush=True)   # then minutes of silence
-            t1 = time.time()
             with open(out + ".log", "w") as f:   # written as train.py runs
                 rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
             if rc:
-                with open(out + ".log") as f:
-                    sys.exit(f"error: train.py failed (exit {rc}), log {out}.log:\n"
-                             + f.read()[-3000:])
-            t_train = time.time() - t1
-            with open(os.path.join(out, "log.jsonl")) as f:
-                ev = [r for r in map(json.loads, f) if r["kind"] == "eval"][-1]
+                sys.exit(f"error: train.py failed (exit {rc}), log {out}.log:\n"
+                         + open(out + ".log").read()[-3000:])
+            ev = [r for r in map(json.loads, open(os.path.join(out, "log.jsonl")))
+                  if r["kind"] == "eval"][-1]
+            print(f"eval step {ev['step']}: loss {ev['loss']:.4f} | accept {ev['accept']:.3f} (the "
+                  "proxy, dev rows) | slot acc " + " ".join(f"{a:.2f}" for a in ev["slot_acc"]))
             for temp in sorted({0.0, args.tau_temperature}):   # greedy first
-                t2 = time.time()
-                res = generate.replay_dataset(tdir, os.path.join(out, "drafter"),
-                                              os.path.join(ddir, f"{args.split}-greedy"),
-                                              b.new_tokens, args.prompts, device, temp, b.seed)
-                if temp:
-                    print(f"tau {args.split} at T = {temp} {generate.tau_text(res)} (speculative "
-                          f"sampling) | {time.time() - t2:.1f}s")
-                else:
-                    print(f"tau {args.split} {generate.tau_text(res)} | proxy accept "
-                          f"{ev['accept']:.3f} (dev rows) | eval loss {ev['loss']:.3f} | step "
-                          f"{ev['step']}")
-                    print("slot acc " + " ".join(f"{a:.2f}" for a in ev["slot_acc"]))
-                    t_tau = time.time() - t2
-                print(generate.hist_line(res["hist"]))
-        print(f"times: build {info['seconds']['total']:.0f}s (cached after the first) | train "
-              f"{t_train:.0f}s | tau {t_tau:.1f}s | total {time.time() - t0:.0f}s")
+                t0, at = time.time(), f" at T = {temp}" if temp else ""
+                res = generate.replay_dataset(tdir, os.path.join(out, "drafter"), os.path.join(
+                    ddir, f"{args.split}-greedy"), b.new_tokens, args.prompts, device, temp, b.seed)
+                print(f"tau {args.split}{at} {generate.tau_text(res)} | {time.time() - t0:.1f}s\n"
+                      + generate.hist_line(res["hist"]))
 
 if __name__ == "__main__":
     main()

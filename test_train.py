@@ -598,10 +598,10 @@ def test_init_drafter_errors_at_start(tmp_path):
                                                        "for all full attention", r.stderr
 
 
-def test_code_demo_trains_and_shows_a_block(tmp_path):
+def test_code_demo_trains_and_decodes(tmp_path):
     """`python train.py --target demo`: the committed demo target trained on code (demo/, <= 2 MB), its answers
-    to prompts of held-out code built on first use into data/demo-code; then generate.py --target demo shows a
-    drafted block as text beside the target's, and speculative decoding equals greedy."""
+    to prompts of held-out code built on first use into data/demo-code; then with generate.py --target demo
+    speculative decoding equals greedy."""
     demo = os.path.join(HERE, "demo")
     assert sum(os.path.getsize(os.path.join(demo, f)) for f in os.listdir(demo)) <= 2 << 20
     out = train(tmp_path, "--target", "demo", "--max-steps", 20, "--log-interval", 10, "--eval-interval", 10)
@@ -612,7 +612,6 @@ def test_code_demo_trains_and_shows_a_block(tmp_path):
     r = run_apart(generate_cmd("--target", "demo", "--drafter", tmp_path / "drafter", "--num-prompts", 2,
                                "--max-new-tokens", 16))
     assert r.returncode == 0 and "speculative == greedy on 2/2 prompts" in r.stdout, r.stdout[-2000:] + r.stderr
-    assert re.search(r"  drafted block: '.*'\n  the target's:  '.+' \(\d+ of 15 accepted\)", r.stdout, re.S)
 
 
 # ==================================================================================================
@@ -633,9 +632,9 @@ def test_generate_cli(generated, tmp_path):
     assert "speculative == greedy on 2/2 prompts" in r.stdout and r.stdout.count("identical to greedy") == 2
     r = run_apart(generate_cmd("--drafter", tmp_path))
     assert r.returncode != 0 and "error: --drafter" in r.stderr and "no config.json" in r.stderr
-    r = run_apart(generate_cmd("--drafter", "random", "--prompts", tmp_path / "x.jsonl"))
+    r = run_apart(generate_cmd("--drafter", drafter, "--prompts", tmp_path / "x.jsonl"))
     assert r.returncode != 0 and "--prompts needs --tokenizer" in r.stderr
-    r = run_apart(generate_cmd("--drafter", "random", "--data", tmp_path))
+    r = run_apart(generate_cmd("--drafter", drafter, "--data", tmp_path))
     assert r.returncode != 0 and "has no val/ split" in r.stderr
     r = run_apart(generate_cmd("--drafter", drafter, "--target", "qwen3.6-27b"))
     assert r.returncode != 0 and "does not fit --target qwen3.6-27b: hidden size 64" in r.stderr
@@ -1027,4 +1026,4 @@ def test_one_line_errors(tmp_path, name):
     (["--eos", "x"], "error: --eos x: comma-separated token ids"),
 ])
 def test_generate_one_line_errors(flags, msg):
-    assert one_line_error(run_apart(generate_cmd("--drafter", "random", *flags))).startswith(msg)
+    assert one_line_error(run_apart(generate_cmd("--drafter", "out/drafter", *flags))).startswith(msg)
