@@ -1,15 +1,11 @@
 """
-train.py's guards against a run that fails silently or obscurely:
-  rank_caches    each rank compiles into Triton and Inductor caches of its own: ranks sharing one
-                 race on it, and a cache on NFS corrupts (pytorch#173679, triton#2688)
-  explain_stops  a rank stopped by a peer or an error says why, and how to go on
-  start, init_drafter   data and flags that cannot train what they seem to: one line, at start
-  SelfCheck      before the first update: compiled flex_attention == dense SDPA on this run's mask
-                 kinds and head geometry, in a second process (`python checks.py CONFIG DEVICE`)
-  fused_backward around the first warm step: the profiler must see flex's fused backward kernel
-Outside a compiled graph, or past the recompile limit, flex silently runs a dense backward that
-holds every layer's [heads, queries, keys] scores (~17 GB per layer at 512 anchors / 8192 budget);
-a torch whose flex backward is wrong trains on wrong gradients.
+train.py's guards against a run that fails silently or obscurely: per-rank compile caches (ranks
+sharing one race on it; a cache on NFS corrupts: pytorch#173679, triton#2688), a stop that says
+how to go on, data and flags checked at start, and flex_attention checked twice: compiled flex ==
+dense SDPA before the first update (SelfCheck), its fused backward seen in the first warm step
+(fused_backward). Outside a compiled graph, or past the recompile limit, flex silently runs a
+dense backward that holds every layer's [heads, queries, keys] scores (~17 GB per layer at 512
+anchors / 8192 budget); a torch whose flex backward is wrong trains on wrong gradients.
 """
 import contextlib
 import getpass
@@ -28,8 +24,8 @@ import torch
 from model import SLIDING, DrafterConfig, block_lists, flex_kernel_options, row_attention
 
 def rank_caches(root, rank, fresh=False):
-    """This rank's cache dir (under root, default /tmp/dflash-cache-USER) and its Triton and
-    Inductor caches, set unless the user set them; before anything compiles. fresh: emptied."""
+    # this rank's cache dir and its Triton and Inductor caches (unless the user set them), set
+    # before anything compiles; fresh: emptied
     root = root or os.path.join(tempfile.gettempdir(), f"dflash-cache-{getpass.getuser()}")
     rank_cache = os.path.join(root, f"rank{rank}")
     os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(rank_cache, "triton"))
@@ -43,6 +39,7 @@ def rank_caches(root, rank, fresh=False):
     return rank_cache, dirs
 
 def explain_stops(rank, out, cache_dirs):
+    # a rank stopped by a peer or an error says why, and how to go on
     go_on = f"continue from the last checkpoint with --resume --out {out}"
 
     def on_sigterm(signum, frame):
@@ -126,13 +123,12 @@ def fused_backward(kinds):
                            "on the dense fallback (~17 GB per layer at 512 anchors / 8192 budget)")
 
 def flex_matches_dense(config, device, kernel_options=None, candidate=None):
-    """Compiled flex_attention (forward and fused backward) with THE mask of each layer kind of
-    config, built as the training step builds it, against the dense mask + SDPA, in fp32 without
-    TF32, on a 512-token row of 3 documents with anchors at document starts and padded slots (the
-    window cut to 100 tokens so that it binds): outputs and q, k, v gradients of a random linear
-    loss. candidate(config, anchors, keep, doc, S) -> {kind: attend} replaces the compiled flex
-    path (tests on CPU). Leaves the RNG and dynamo's graph count as it found them. Returns (output
-    rel err, max gradient rel err, seconds)."""
+    """Compiled flex_attention with THE mask of each layer kind of config, built as the step
+    builds it, against the dense mask + SDPA (fp32, no TF32), on a 512-token row of 3 documents
+    with anchors at document starts and padded slots (the window cut to 100 so that it binds):
+    outputs and q, k, v gradients of a random linear loss. candidate(config, anchors, keep, doc,
+    S) -> {kind: attend} replaces compiled flex (tests on CPU). The RNG and dynamo's graph count
+    are left as found. Returns (output rel err, max gradient rel err, seconds)."""
     t0 = time.perf_counter()
     S, N, lens = 512, 24, (150, 230, 132)
     window = min(config.sliding_window, 100) if SLIDING in config.layer_types else None

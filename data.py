@@ -17,7 +17,6 @@ import importlib
 import json
 import os
 import shutil
-import sys
 import time
 from typing import NamedTuple
 
@@ -316,34 +315,18 @@ class Packer:
 # -----------------------------------------------------------------------------
 # demo: the default dataset, made the DFlash way at toy scale
 
-# the demo target trained on Python source (quality.py --export-demo): a checkpoint dir with the
-# token ids of its prompts, cut from held-out files (prompts.npz: train, val, *_offsets)
-HERE = os.path.dirname(os.path.realpath(__file__))
-DEMO_CODE = os.path.join(HERE, "demo")
-
-def demo_of(target):
-    """--target's demo: (the dataset dir train.py and generate.py default to, make_demo's target):
-    data/demo-code and DEMO_CODE for the committed demo/ (by any path), else data/demo and tiny."""
-    code = os.path.realpath(target) == DEMO_CODE
-    data_dir = os.path.join(HERE, "data", "demo-code" if code else "demo")
-    return data_dir, DEMO_CODE if code else "tiny"
-
 def cut_at_eos(ans, eos=0):
     # an answer up to its first end-of-text (quality.py's <|endoftext|> is id 0), that included
     hit = np.flatnonzero(ans == eos)
     return ans[:hit[0] + 1] if len(hit) else ans
 
-def make_demo(out_dir, samples=384, val_samples=32, new_tokens=48, seed=0, force=False, log=print,
-              target="tiny"):
+def make_demo(out_dir, samples=384, val_samples=32, new_tokens=48, seed=0, force=False, log=print):
     """Random prompts of 8-24 tokens, each continued greedily for new_tokens by target.py's `tiny`
     target (seeded by tensor name: train.py's own), loss mask on the continuation: the target's
     own output, as DFlash trains, so the acceptance proxy is real acceptance against it. `seed`
-    picks the prompts. target=DEMO_CODE: the trained demo target and its prompts of code, its
-    greedy answers cut after their end-of-text (sampled ones trained a worse drafter: RESULTS.md).
-    A directory that already holds this exact demo is reused."""
-    code = target != "tiny"
-    want = dict(demo="code" if code else "tiny", samples=samples, val_samples=val_samples,
-                new_tokens=new_tokens, seed=seed)
+    picks the prompts. A directory that already holds this exact demo is reused."""
+    want = dict(demo="tiny", samples=samples, val_samples=val_samples, new_tokens=new_tokens,
+                seed=seed)
     try:
         if not force and all(open_dataset(os.path.join(out_dir, s)).meta.get("source") == want
                              for s in ("train", "val")):
@@ -354,21 +337,10 @@ def make_demo(out_dir, samples=384, val_samples=32, new_tokens=48, seed=0, force
     import torch
     from target import Target, TargetConfig
     rng, n, t0 = np.random.default_rng(seed), samples + val_samples, time.time()
-    if code:
-        model = Target.from_pretrained(target, dtype=torch.float32)
-        cfg = model.config
-        z = np.load(os.path.join(target, "prompts.npz"))
-        split = {s: np.split(z[s], z[s + "_offsets"][1:-1]) for s in ("train", "val")}
-        if len(split["train"]) < samples or len(split["val"]) < val_samples:
-            raise DataError(f"{target}/prompts.npz holds {len(split['train'])} + "
-                            f"{len(split['val'])} prompts; asked {samples} + {val_samples}")
-        prompts = [torch.from_numpy(p.astype(np.int64))
-                   for p in split["train"][:samples] + split["val"][:val_samples]]
-    else:
-        cfg = TargetConfig.preset("tiny")
-        model = Target.build(cfg)
-        prompts = [torch.from_numpy(rng.integers(1, cfg.vocab_size, rng.integers(8, 25)))
-                   for _ in range(n)]
+    cfg = TargetConfig.preset("tiny")
+    model = Target.build(cfg)
+    prompts = [torch.from_numpy(rng.integers(1, cfg.vocab_size, rng.integers(8, 25)))
+               for _ in range(n)]
     target = model.eval()
     # decoded in lockstep with the target's caches (Target.greedy) on the CPU in fp32, whatever
     # device trains: the same demo everywhere. Chunks bound the caches; one thread: this small a
@@ -382,10 +354,8 @@ def make_demo(out_dir, samples=384, val_samples=32, new_tokens=48, seed=0, force
             seqs = target.greedy(prompts[c:c + chunk], new_tokens)
             for j, d in enumerate(seqs, c):
                 P = len(prompts[j])
-                d = d[:P + new_tokens].numpy()
-                if code:
-                    d = np.concatenate([d[:P], cut_at_eos(d[P:])])
-                writers[j >= samples].add(d, np.arange(len(d)) >= P)
+                writers[j >= samples].add(d[:P + new_tokens].numpy(),
+                                          np.arange(P + new_tokens) >= P)
             log(f"demo: {min(c + chunk, n)}/{n} samples, {time.time() - t0:.1f}s")
         metas = [w.commit(source=want) for w in writers]
         log(f"demo: wrote {out_dir}: {metas[0]['n_samples']} + {metas[1]['n_samples']} samples "

@@ -5,7 +5,6 @@ target: the real acceptance length tau (accepted + 1 per cycle, as SGLang and z-
 print it), and a check that both decodes give the same tokens.
 
   python generate.py --drafter out/drafter --max-new-tokens 48   # tiny target, demo prompts
-  python generate.py --target demo --drafter out/drafter          # the demo target trained on code
   python generate.py --target /ckpt/Qwen3.6-27B --drafter out/drafter --prompts gsm8k.jsonl \\
       --tokenizer /ckpt/Qwen3.6-27B --chat-template-kwargs '{"enable_thinking": false}'
 """
@@ -22,7 +21,7 @@ import torch.nn.functional as F
 
 from target import Target, TargetConfig, positions_from_cu
 from model import Drafter, row_attention
-from data import ArgParser, Bad, DataError, demo_of, kwargs_arg, load_line, number, open_dataset
+from data import ArgParser, Bad, DataError, kwargs_arg, load_line, number, open_dataset
 from prepare import Chat
 
 # -----------------------------------------------------------------------------
@@ -318,9 +317,10 @@ def main(argv=None):
         tcfg = (TargetConfig.from_hf(args.target) if os.path.isdir(args.target)
                 else TargetConfig.preset(args.target))
         drafter = Drafter.from_pretrained(args.drafter, device=device, dtype=dtype)
+        demo = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "demo")
         prompts = (chat_prompts(args.prompts, args.tokenizer, args.num_prompts,
                                 args.chat_template_kwargs) if args.prompts
-                   else dataset_prompts(args.data or demo_of(args.target)[0], args.num_prompts))
+                   else dataset_prompts(args.data or demo, args.num_prompts))
         c, V, L, H = drafter.config, tcfg.vocab_size, tcfg.num_hidden_layers, tcfg.hidden_size
         fit, bad = f"--drafter {args.drafter} does not fit --target {args.target}: ", [
             i for i, p in enumerate(prompts) if int(p.max()) >= V]

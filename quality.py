@@ -293,20 +293,6 @@ def build(b, work, device):
           f"{info['dev_loss']:.3f}")
     return os.path.join(root, "target"), os.path.join(root, "data"), info
 
-def export_demo(b, tdir, out, n_train=512, n_val=64):
-    """The demo target (train.py --target demo): the checkpoint, its build record, and prompts of
-    16-48 tokens from the drafter's files (train) and the dev files (val) as token ids."""
-    tok, enc = tokenized(b, tdir)
-    rng, arrays = np.random.default_rng(b.seed), {}
-    shutil.copytree(tdir, out, dirs_exist_ok=True)
-    shutil.copy(os.path.join(os.path.dirname(tdir), "build.json"), out)
-    for split, src, n in (("train", "draft", n_train), ("val", "dev", n_val)):
-        ps = cut_prompts(enc[src], n, rng, tok, lo=16, hi=48)
-        arrays[split] = np.concatenate(ps).astype(np.int16 if b.vocab <= 2**15 else np.int32)
-        arrays[split + "_offsets"] = np.cumsum([0] + [len(p) for p in ps])
-    np.savez(os.path.join(out, "prompts.npz"), **arrays)
-    print(f"exported the demo target to {out}: {' '.join(sorted(os.listdir(out)))}")
-
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     cut = argv.index("--") if "--" in argv else len(argv)   # flags after -- go to train.py
@@ -318,7 +304,6 @@ def main(argv=None):
     add("--tau-temperature", type=number(float, 0), default=0.0, help="> 0: also tau sampled at T")
     add("--curve", metavar="N,N,...", help="a train.py run per N (--max-steps N), tau of each")
     add("--build-only", action="store_true", help="build the target and data, stop")
-    add("--export-demo", metavar="DIR", help="write the target to DIR as train.py's demo, stop")
     for f, v in asdict(Build()).items():
         add("--target-" + f.replace("_", "-"), type=type(v), default=v, dest=f, help=f"Build.{f}")
     args = ap.parse_args(argv[:cut])
@@ -327,8 +312,6 @@ def main(argv=None):
         tdir, ddir, info = build(b, args.work, device)
     except DataError as e:
         sys.exit(f"error: {e}")
-    if args.export_demo:
-        return export_demo(b, tdir, args.export_demo)
     defaults = ["--anchors", "128", "--budget", "4096", "--eval-rows", "16"]
     for steps in [] if args.build_only else map(int, args.curve.split(",")) if args.curve else [0]:
         flags = [*defaults, *argv[cut + 1:], *(["--max-steps", str(steps)] if steps else [])]

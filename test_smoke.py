@@ -2917,21 +2917,6 @@ def test_quality_command_end_to_end(tmp_path, capsys):
                                   str(build / "data" / "test-greedy"), 24)
     assert res["tau"] == pytest.approx(tau, abs=5e-4) and sum(hist.values()) == res["cycles"]
     assert sum(k * n for k, n in hist.items()) / res["cycles"] == pytest.approx(res["tau"])
-    # --export-demo: the target as train.py's demo target, prompts of held-out code; make_demo's answers to them
-    quality.main(small + ["--export-demo", str(tmp_path / "demo")])
-    z = np.load(tmp_path / "demo" / "prompts.npz")
-    lens = np.diff(z["val_offsets"])
-    assert len(np.diff(z["train_offsets"])) == 512 and len(lens) == 64 and 16 <= lens.min() <= lens.max() <= 48
-    data.make_demo(str(tmp_path / "dd"), samples=6, val_samples=3, new_tokens=12, target=str(tmp_path / "demo"))
-    t = Target.from_pretrained(str(tmp_path / "demo"), dtype=torch.float32)
-    val = data.open_dataset(str(tmp_path / "dd" / "val"))
-    for i in range(3):
-        p = z["val"][z["val_offsets"][i]:z["val_offsets"][i + 1]].astype(np.int64)
-        ids, mask = val.sample(i)
-        want = t.greedy([torch.from_numpy(p)], 12)[0, len(p):].numpy()
-        want = want[:np.flatnonzero(want == 0)[0] + 1] if (want == 0).any() else want
-        assert np.array_equal(ids, np.concatenate([p, want])) and mask.sum() == len(want)
-    assert data.open_dataset(str(tmp_path / "dd" / "train")).meta["n_samples"] == 6
     # generate.py on the built checkpoint: speculative decoding equals greedy
     r = generate.main(["--target", str(build / "target"), "--drafter", str(run / "drafter"), "--data",
                        str(build / "data"), "--num-prompts", "2", "--max-new-tokens", "16"])

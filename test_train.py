@@ -598,22 +598,6 @@ def test_init_drafter_errors_at_start(tmp_path):
                                                        "for all full attention", r.stderr
 
 
-def test_code_demo_trains_and_decodes(tmp_path):
-    """`python train.py --target demo`: the committed demo target trained on code (demo/, <= 2 MB), its answers
-    to prompts of held-out code built on first use into data/demo-code; then with generate.py --target demo
-    speculative decoding equals greedy."""
-    demo = os.path.join(HERE, "demo")
-    assert sum(os.path.getsize(os.path.join(demo, f)) for f in os.listdir(demo)) <= 2 << 20
-    out = train(tmp_path, "--target", "demo", "--max-steps", 20, "--log-interval", 10, "--eval-interval", 10)
-    assert "target: demo (8 layers, hidden 64, vocab 512)" in out, out[-2000:]
-    meta = open_dataset(os.path.join(HERE, "data", "demo-code", "train")).meta
-    assert meta["source"]["demo"] == "code" and meta["n_samples"] == 384
-    assert all(math.isfinite(r["loss"]) for r in train_log(tmp_path, "eval"))
-    r = run_apart(generate_cmd("--target", "demo", "--drafter", tmp_path / "drafter", "--num-prompts", 2,
-                               "--max-new-tokens", 16))
-    assert r.returncode == 0 and "speculative == greedy on 2/2 prompts" in r.stdout, r.stdout[-2000:] + r.stderr
-
-
 # ==================================================================================================
 # generate.py's command line on a short train.py run's export
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 import checks
 import checkpoint
-from data import ArgParser, DataError, Packer, demo_of, make_demo, number, open_dataset
+from data import ArgParser, DataError, Packer, make_demo, number, open_dataset
 from model import Drafter, DrafterConfig, drafter_loss, drafter_step, flex_kernel_options
 from model import sample_anchors
 from target import Target, TargetConfig, upload
@@ -40,8 +40,8 @@ arg("--data", help="prepared dataset dir (prepare.py); default: the demo, in ./d
 arg("--budget", type=number(int, 1), default=128, help="tokens per packed row, fixed")
 arg("--eval-rows", type=number(int, 0), default=8, help="held-out rows per eval (DATA/val)")
 arg = parser.add_argument_group("models").add_argument
-arg("--target", default="tiny", help="a Qwen3.5/3.6 HF checkpoint dir (dense or MoE; demo: the "
-    "small target trained on code) or a preset: tiny, qwen3.6-27b, qwen3.5-35b-a3b (random)")
+arg("--target", default="tiny", help="a Qwen3.5/3.6 HF checkpoint dir (dense or MoE), or a "
+    "preset (random weights): tiny, qwen3.6-27b, qwen3.5-35b-a3b")
 arg("--drafter-layers", type=number(int, 1), help="drafter layers (default: published, else 5)")
 arg("--n-feat", type=number(int, 1), help="tapped target layers (default: published, else 5 or 3)")
 arg("--block-size", type=number(int, 2), default=16, help="tokens per block: anchor + drafted")
@@ -163,15 +163,13 @@ self_check = checks.SelfCheck(dcfg, device, rank_cache, skip or role == "target"
                               or args.init_drafter and "until --init-drafter is loaded")
 
 # -----------------------------------------------------------------------------
-# data: the demo dataset is made on first use (the tiny target's greedy continuations; --target
-# demo, the demo target trained on code: its answers to prompts of code, in data/demo-code)
+# data: the demo dataset is made on first use (the tiny target's greedy continuations)
 
-demo_dir, demo_target = demo_of(args.target)
-data_dir = args.data or demo_dir
+data_dir = args.data or os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "demo")
 try:
     if args.data is None and not os.path.exists(os.path.join(data_dir, "train", "meta.json")):
         if local_rank == 0:
-            make_demo(data_dir, target=demo_target)
+            make_demo(data_dir)
         if world > 1:
             dist.barrier()
     train_ds, val_dir = open_dataset(data_dir), os.path.join(data_dir, "val")
