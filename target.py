@@ -18,7 +18,7 @@ this file rewritten against it:
       outputs of decoder layers layer_ids (HF hidden_states[i+1]), each packed document alone
   .features_and_logits(ids, cu_seqlens, layer_ids, at), .logits(ids, cu_seqlens, at),
       .greedy(prompts, new_tokens, temperature, generator), .flops(cu_seqlens, n_layers)
-model.py borrows the small shared pieces at the top of this file (RMSNorm, MLP, RoPE).
+model.py borrows the small shared pieces (RMSNorm, MLP, RoPE) and GatedAttention's projections.
 """
 import functools
 import json
@@ -45,9 +45,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):
         xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         scale = self.weight.float() + 1.0 if self.plus_one else self.weight.float()
-        return (xf * scale).to(x.dtype)
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * scale).to(x.dtype)
 
 ROPE_TYPES = ("default", "linear", "yarn")   # HF rope_type values rope_inv_freq computes
 
@@ -68,11 +67,10 @@ def check_rope(scaling, fail):
 
 def rope_inv_freq(dim, theta, scaling=None, max_positions=None, device=None):
     """RoPE inverse frequencies [dim/2] over `dim` rotary dims (partial RoPE: HF's head_dim *
-    partial_rotary_factor), and the factor cos and sin are multiplied by, exactly as transformers
+    partial_rotary_factor) and the factor cos and sin are multiplied by, exactly as transformers
     5.x modeling_rope_utils.py computes them for rope_type default, linear and yarn (YaRN: Peng et
     al., arXiv:2309.00071; the explicit factor wins over max_position_embeddings/original, as in
-    v5). scaling: the HF dict without rope_theta; max_positions: the config's
-    max_position_embeddings, YaRN's original length when the dict has none."""
+    v5). scaling: the HF dict without rope_theta; max_positions: YaRN's default original length."""
     s, kind = scaling or {}, rope_type(scaling)
     pos_freqs = theta ** (torch.arange(0, dim, 2, device=device).float() / dim)
     if kind == "default":
@@ -104,16 +102,14 @@ def rope_inv_freq(dim, theta, scaling=None, max_positions=None, device=None):
 def rope_cos_sin(pos, dim, theta, scaling=None, max_positions=None):
     # NeoX-style cos, sin [T, dim] in fp32 at positions pos [T], both times YaRN's attention factor
     inv_freq, scale = rope_inv_freq(dim, theta, scaling, max_positions, pos.device)
-    angles = pos.float()[:, None] * inv_freq[None, :]
-    angles = torch.cat([angles, angles], dim=-1)
+    angles = (pos.float()[:, None] * inv_freq[None, :]).repeat(1, 2)
     return angles.cos() * scale, angles.sin() * scale
 
 def apply_rope(x, cos, sin):
     # x [T, heads, head_dim]; rotates the first rot dims (partial RoPE), pairing i with i + rot/2
     rot = cos.shape[-1]
     x_rot, x_pass = x[..., :rot].float(), x[..., rot:]
-    x1, x2 = x_rot[..., : rot // 2], x_rot[..., rot // 2:]
-    rotated = torch.cat([-x2, x1], dim=-1)
+    rotated = torch.cat([-x_rot[..., rot // 2:], x_rot[..., :rot // 2]], dim=-1)
     out = x_rot * cos[:, None, :] + rotated * sin[:, None, :]
     return torch.cat([out.to(x.dtype), x_pass], dim=-1)
 
@@ -133,8 +129,7 @@ def upload(t, device):
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 def positions_from_cu(cu_seqlens):
-    # cu_seqlens [n+1] (CPU) -> positions [T] restarting at 0 in every document; in numpy, as
-    # _chunk_list: torch's repeat_interleave is a costly host op on every step
+    # -> positions [T] from 0 in each document (numpy: torch's repeat_interleave is a slow host op)
     cu = np.asarray(cu_seqlens, dtype=np.int64)
     return torch.from_numpy(np.arange(cu[-1]) - np.repeat(cu[:-1], np.diff(cu)))
 
@@ -203,11 +198,10 @@ def _chunk_indices(cu, device):   # cu: a tuple
     return upload(torch.from_numpy(_chunk_list(cu)), device)
 
 class Docs(NamedTuple):
-    """A packed row's document boundaries as every layer reads them, made on the host so that a
-    compiled layer never syncs: cu [n+1] long on the row's device and as a host list, fla's chunk
-    list (fla kernels), the longest document (flash attention's grid), and pad (plain-torch
-    layers): pad_docs' index [n_docs, longest], which of it is real, each token's document and
-    unpad_docs' index."""
+    """A packed row's document boundaries as every layer reads them, made on the host (a compiled
+    layer never syncs): cu [n+1] long on the row's device and as a host list; fla's chunk list and
+    the longest document (fla, flash attention); pad (plain torch): pad_docs' index [n_docs,
+    longest], which of it is real, each token's document and unpad_docs' index."""
     cu: torch.Tensor
     bounds: list
     chunks: torch.Tensor | None
@@ -303,10 +297,9 @@ class TargetConfig:
 
     @classmethod
     def from_hf(cls, path):
-        """config.json of an HF checkpoint, the multimodal wrapper (text_config) or text-only.
-        Absent fields take transformers' defaults (Qwen3_5TextConfig, Qwen3_5MoeTextConfig), but a
-        qwen3_5_moe config must give MOE_FIELDS; a field that changes the math and that this
-        target does not implement is a one-line ValueError naming it."""
+        """config.json of an HF checkpoint (multimodal, text_config, or text-only); absent fields
+        take transformers' defaults, but a qwen3_5_moe config must give MOE_FIELDS. A field that
+        changes the math and that this target lacks: a one-line ValueError naming it."""
         file = os.path.join(path, "config.json") if os.path.isdir(path) else path
         with open(file) as f:
             cfg = json.load(f)
@@ -349,9 +342,9 @@ class TargetConfig:
                 *[(where + field, ok, why) for field, ok, why in moe_checks]]:
             if not ok:
                 fail(field, text.get(field.split(".")[-1]), why)
-        # RoPE as transformers 5.x reads it (modeling_rope_utils.py standardize_rope_params): a
-        # legacy rope_scaling replaces rope_parameters; rope_theta and partial_rotary_factor in it
-        # win over top-level ones (defaults: 10000 and 0.25, Qwen3_5TextConfig)
+        # RoPE as transformers 5.x reads it (modeling_rope_utils.py convert_rope_params_to_dict,
+        # standardize_rope_params): a legacy rope_scaling replaces rope_parameters, rope_theta and
+        # partial_rotary_factor in it beat top-level ones (else 10000, 0.25: Qwen3_5TextConfig)
         if text.get("rope_scaling") and text.get("rope_parameters"):
             fail("rope_scaling", text["rope_scaling"],
                  "rope_parameters is also set, and transformers would ignore it (its rope_theta "
@@ -371,8 +364,8 @@ class TargetConfig:
                  f"Qwen3_5TextConfig ignores it at the top level: put it in {where}")
         kw["rope_scaling"] = rope if rope_type(rope) != "default" else None
         # the one quantized form read: block FP8 as Qwen's -FP8 checkpoints ship it (transformers
-        # FineGrainedFP8Config): e4m3 weights, float weight_scale_inv per block. Which weights are
-        # FP8 is read from the tensors, so modules_to_not_convert needs no interpreting
+        # utils/quantization_config.py FineGrainedFP8Config): e4m3 weights, float weight_scale_inv
+        # per block; FP8 weights are known by their scales, so modules_to_not_convert is not read
         q = cfg.get("quantization_config") or text.get("quantization_config") or {}
         block = q.get("weight_block_size")
         for field, ok, why in [
@@ -430,8 +423,7 @@ class GatedAttention(nn.Module):
 
     def forward(self, x, rope, docs, cache=None):
         T, hd = x.shape[0], self.head_dim
-        # [T, heads, hd] each
-        q, gate = self.q_proj(x).view(T, self.n_heads, 2 * hd).chunk(2, dim=-1)
+        q, gate = self.q_proj(x).view(T, self.n_heads, 2 * hd).chunk(2, dim=-1)  # [T, heads, hd]
         q = apply_rope(self.q_norm(q), *rope)
         k = apply_rope(self.k_norm(self.k_proj(x).view(T, self.n_kv_heads, hd)), *rope)
         v = self.v_proj(x).view(T, self.n_kv_heads, hd)
@@ -457,8 +449,7 @@ class GatedAttention(nn.Module):
             q, k, v = (pad_docs(t, docs).transpose(1, 2) for t in (q, k, v))
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
             o = unpad_docs(o.transpose(1, 2), docs)                   # [T, heads, hd]
-        o = o.reshape(T, self.n_heads * hd)
-        return self.o_proj(o * torch.sigmoid(gate.reshape(T, -1)))
+        return self.o_proj(o.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1)))
 
 class GatedDeltaNet(nn.Module):
     """Qwen3.5 linear-attention layer: causal conv -> gated delta rule -> gated RMSNorm."""
@@ -500,8 +491,7 @@ class GatedDeltaNet(nn.Module):
         else:
             width = self.conv1d.weight.shape[-1]
             if cache is not None:
-                # decoding (Target.greedy): x is the newest token of T sequences; each one's last
-                # width-1 conv inputs are cached (zeros before its start)
+                # decoding (greedy): each of the T sequences' last width-1 conv inputs are cached
                 past = cache.get("conv", qkv.new_zeros(T, qkv.shape[1], width - 1))
                 windows = torch.cat([past, qkv[:, :, None]], 2)           # [T, channels, width]
                 cache["conv"] = windows[:, :, 1:]
@@ -541,8 +531,7 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(o.reshape(T, -1))
 
 def expert_linear(x, w, ends):
-    """x [P, in]: rows grouped by expert, in expert order (expert e's end at row ends[e]);
-    w [E, out, in] -> [P, out]"""
+    """x [P, in], rows grouped by expert (e's end at row ends[e]); w [E, out, in] -> [P, out]"""
     if x.dtype == torch.bfloat16 and w.shape[1] % 8 == 0 and w.shape[2] % 8 == 0:
         # one grouped GEMM (CUTLASS on sm90+), its offsets on the device: no host sync
         return torch._grouped_mm(x, w.transpose(1, 2), offs=ends.to(torch.int32))
@@ -577,8 +566,7 @@ class MoE(nn.Module):
         w = (w / w.sum(-1, keepdim=True)).to(x.dtype)
         # the T*k (token, slot) pairs sorted by expert: every expert's rows are one contiguous slice
         expert, order = idx.flatten().sort(stable=True)          # [T*k]
-        # [E] (bincount would sync)
-        ends = torch.searchsorted(expert, torch.arange(1, E + 1, device=x.device))
+        ends = torch.searchsorted(expert, torch.arange(1, E + 1, device=x.device))  # [E] (no sync)
         gate, up = expert_linear(x[order // k], self.experts.gate_up_proj, ends).chunk(2, dim=-1)
         out = expert_linear(F.silu(gate) * up, self.experts.down_proj, ends)  # [T*k, H], sorted
         out = torch.empty_like(out).index_copy_(0, order, out).view(T, k, -1)   # token order
@@ -613,7 +601,6 @@ class TargetLayer(nn.Module):
 
 # -----------------------------------------------------------------------------
 # the target model: random or an HF checkpoint; features for the drafter, logits for generation
-
 
 def dequantize_fp8(w, scale_inv, block, dtype, what="weight_scale_inv"):
     """A block-FP8 weight w [rows, cols] (float8_e4m3fn) times its scales scale_inv
@@ -658,12 +645,9 @@ class Target(nn.Module):
             t = torch.empty(p.shape, dtype=torch.float32 if fp32 else dtype, device=device)
             if name.endswith("A_log"):
                 t.copy_(torch.linspace(0.0, 2.7, p.numel()))  # decay rates exp(A) in [1, 15]
-            elif name.endswith("dt_bias"):
-                t.fill_(-2.0)
-            elif name.endswith("linear_attn.norm.weight"):
-                t.fill_(1.0)                                  # GDN gated norm: plain weight
-            elif p.dim() == 1:
-                t.zero_()                                     # zero-centred norms: scale 1 + 0
+            elif p.dim() == 1:   # dt_bias; the GDN gated norm's plain weight; zero-centred norms
+                t.fill_(-2.0 if name.endswith("dt_bias") else
+                        1.0 if name.endswith("linear_attn.norm.weight") else 0.0)
             else:
                 # embeddings N(0, 1) as nn.Embedding's, so a random target's text mostly follows
                 # the last tokens (learnable: the demo's teacher); GPT-2's scaled residual outputs
@@ -671,7 +655,7 @@ class Target(nn.Module):
                                      "down_proj"))
                 std = 1.0 if name == "embed_tokens.weight" else config.init_std
                 std = std / (2 * config.num_hidden_layers) ** 0.5 if out else std
-                # each tensor's own generator, seeded by its name: a rank that builds some
+                # a generator per tensor, seeded by its name: a rank that builds only some tensors
                 # (a drafter rank: embed_tokens + lm_head) gets exactly the target rank's weights.
                 # Small ones drawn on the CPU (a toy target is then the same on every device: the
                 # demo data was made there); big ones on their device (27B of CPU normals: minutes)
@@ -691,10 +675,9 @@ class Target(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path, device="cpu", dtype=torch.bfloat16, n_layers=None, head=True):
-        """Load an HF Qwen3.5/3.6 checkpoint dir (one model.safetensors, or shards with an index),
-        reading only the tensors this rank needs, straight to `device` (the model is built on the
-        meta device). Block-FP8 checkpoints (Qwen's -FP8 releases) are dequantized to `dtype` tensor
-        by tensor on `device`."""
+        """An HF Qwen3.5/3.6 checkpoint dir (one model.safetensors, or shards with an index): only
+        the tensors this rank needs, read straight to `device` into a model built on the meta
+        device; block-FP8 ones (Qwen's -FP8 releases) dequantized to `dtype` one by one there."""
         from safetensors import safe_open
         config = TargetConfig.from_hf(path)
         index = os.path.join(path, "model.safetensors.index.json")
@@ -721,7 +704,7 @@ class Target(nn.Module):
             keys, shape = [key], tuple(p.shape)
             if key not in where and name.endswith(("experts.gate_up_proj", "experts.down_proj")):
                 # official checkpoints store each layer's experts fused, as ours ([E, 2I, H] and
-                # [E, H, I]); transformers' save_pretrained writes experts.{e}.{proj}.weight
+                # [E, H, I]); transformers' save_pretrained one by one: experts.{e}.{proj}.weight
                 projs = (("gate_proj", "up_proj") if name.endswith("gate_up_proj")
                          else ("down_proj",))
                 keys = [f"{key.rsplit('.', 1)[0]}.{e}.{proj}.weight"
@@ -773,10 +756,10 @@ class Target(nn.Module):
                               for name, keys in keys_of.items()})
 
     def _run(self, ids, cu_seqlens, layer_ids, stop, prepared=None, caches=None):
-        # layers [0, stop) over ids [T] long (device) -> (the outputs of layer_ids concatenated, or
-        # None without layer_ids; the last layer's). Packed documents: cu_seqlens [n+1] long on the
-        # CPU, or prepared = (Docs, positions [T]) (speedups.FeatureGraphs' input buffers); one
-        # decoding step (greedy): prepared = (None, positions [T]) and a cache per layer
+        # layers [0, stop) over ids [T] (device) -> (layer_ids' outputs concatenated or None, the
+        # last layer's output). Packed documents: cu_seqlens [n+1] long on the CPU, or prepared =
+        # (Docs, positions [T]) (speedups.FeatureGraphs' buffers); a decoding step (greedy):
+        # prepared = (None, positions [T]) and caches, one per layer
         c, h, taps = self.config, self.embed_tokens(ids), {}
         docs, pos = prepared or (Docs.of(cu_seqlens, h.device),
                                  upload(positions_from_cu(cu_seqlens), h.device))
@@ -801,9 +784,8 @@ class Target(nn.Module):
 
     @torch.inference_mode()
     def features_and_logits(self, ids, cu_seqlens, layer_ids, at=None):
-        """One forward through every layer giving both `features` (None without layer_ids) and
-        `logits` (speculative decoding: the verification forward also yields the next drafts'
-        context)."""
+        """One forward through every layer giving `features` (None without layer_ids) and `logits`:
+        speculative decoding's verification forward also gives the next drafts' context."""
         assert self.n_layers == self.config.num_hidden_layers and self.norm is not None, (
             "logits need every layer and the head: build the target without n_layers")
         feats, h = self._run(ids, cu_seqlens, layer_ids, self.n_layers)
