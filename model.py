@@ -2,57 +2,53 @@
 The DFlash drafter and its training objective (Chen et al., "DFlash: Block Diffusion for Flash
 Speculative Decoding", arXiv:2602.06036), in reading order:
   1) anchor sampling: which positions of a packed row start a draft block this step
-  2) THE anchor mask_mod: which keys each block query may see (one definition for every path)
-  3) the same mask as flex_attention BlockMask lists, in closed form
-  4) the loss: weighted cross-entropy through the target's frozen LM head, chunked
-  5) the drafter: Qwen3 layers over a block [anchor, mask x (B-1)] whose keys/values also see the
+  2) THE anchor mask_mod: which keys each block query may see (one definition for every path),
+     and the same mask as flex_attention BlockMask lists, in closed form
+  3) the loss: weighted cross-entropy through the target's frozen LM head, chunked
+  4) the drafter: Qwen3 layers over a block [anchor, mask x (B-1)] whose keys/values also see the
      target's fused hidden states; its training forward, the serving-side `propose`, FLOPs
-  6) export: save/load in the z-lab format that SGLang, vLLM and z-lab/dflash load
-  7) the drafter step: one packed row's anchors, forward and loss (train.py compiles it)
+  5) export: save/load in the z-lab format that SGLang, vLLM and z-lab/dflash load
+  6) the drafter step: one packed row's anchors, forward and loss (train.py compiles it)
 Notation: S context tokens in a packed row, N anchors (draft blocks) per row, B tokens per block.
 """
+import functools
 import json
 import os
 from contextlib import nullcontext
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from target import MLP, ROPE_TYPES, RMSNorm, apply_rope, rope_cos_sin, rope_type
+from target import MLP, GatedAttention, RMSNorm, apply_rope, check_rope, rope_cos_sin, rope_type
 
 # -----------------------------------------------------------------------------
 # 1) anchors
 
 def sample_anchors(loss_mask, doc, per_doc, capacity):
     """The anchors of one packed row as the DFlash recipe samples them (paper sec. 4.2): in every
-    document, min(per_doc, eligible) positions uniformly without replacement, where a is eligible
-    iff loss_mask[a] = loss_mask[a+1] = 1 in one document (a served token whose next token is
-    supervised). A row that wants more than `capacity` keeps the lowest-ranked draws of every
-    document (max-min fair). Sorted (sorted anchors keep flex tiles sparse), on device, no host
-    sync. Returns anchors [capacity] (0 in padded slots), keep [capacity] bool, and the number the
-    row wanted before the capacity cut (0-d)."""
+    document, min(per_doc, eligible) positions uniformly without replacement, a being eligible iff
+    loss_mask[a] = loss_mask[a+1] = 1 in one document (a served token whose next token is
+    supervised); past `capacity` a row keeps the lowest-ranked draws of every document (max-min
+    fair). Sorted (keeps flex tiles sparse), on device, no host sync. Returns anchors [capacity] (0
+    in padded slots), keep [capacity] bool and the number wanted before the capacity cut (0-d)."""
     S, dev = loss_mask.shape[0], loss_mask.device
     supervised = loss_mask > 0
     eligible = supervised[:-1] & supervised[1:] & (doc[:-1] == doc[1:])       # [S-1]
     key = torch.rand(S - 1, device=dev, dtype=torch.float64)
     # group the eligible positions by document, in random order within each; the rest sort last
     order = torch.argsort(torch.where(eligible, doc[:-1] + key, float("inf")))
-    sorted_doc = doc[:-1][order]
-    i = torch.arange(S - 1, device=dev)
-    group_start = torch.ones(S - 1, dtype=torch.bool, device=dev)
-    group_start[1:] = sorted_doc[1:] != sorted_doc[:-1]
+    sorted_doc, i = doc[:-1][order], torch.arange(S - 1, device=dev)
+    group_start = F.pad(sorted_doc[1:] != sorted_doc[:-1], (1, 0), value=True)
     first = torch.where(group_start, i, 0).cummax(0).values
     rank = torch.empty_like(i)
     rank[order] = i - first                                  # draw order within the document
     wanted = eligible & (rank < per_doc)
     score = torch.where(wanted, rank + key, float("inf"))    # capacity: lowest ranks first
-    # pad for a capacity past the row
-    score = F.pad(score, (0, max(0, capacity - (S - 1))), value=float("inf"))
+    score = F.pad(score, (0, max(0, capacity - (S - 1))), value=float("inf"))  # capacity > S - 1
     picked = score.topk(capacity, largest=False).indices
-    keep = score[picked] < float("inf")
-    anchors = torch.where(keep, picked, S).sort().values     # padded slots sort last
+    anchors = torch.where(score[picked] < float("inf"), picked, S).sort().values   # padded: last
     keep = anchors < S
     return torch.where(keep, anchors, 0), keep, wanted.sum()
 
@@ -84,25 +80,18 @@ def anchor_mask_mod(anchors, keep, doc, S, B, window=0):
         return (context | own_block) & keep[j]
     return mask_mod
 
-# -----------------------------------------------------------------------------
-# 3) the mask as BlockMask lists
-
 TILE = 128      # the BlockMask tile (queries x keys)
 
 def anchor_blocks(anchors, keep, doc, S, B, window=0):
-    """The BlockMask of anchor_mask_mod in closed form, eager and sort-free on the device: (kv_num,
-    kv_idx, full_kv_num, full_kv_idx, q_num, q_idx, full_q_num, full_q_idx), exactly what
-    create_block_mask returns (tested), without its argsort, which compiles to a Triton sort that
-    takes minutes (pytorch/pytorch#182060). Needs each document to be one contiguous run of `doc`,
-    as the packer writes rows: then query row r of anchor j (slot k) sees one interval of context,
-    [start of a_j's document, a_j), and one of its own block."""
+    """The BlockMask lists of anchor_mask_mod in closed form, eager and sort-free on the device:
+    (kv_num, kv_idx, full_kv_num, full_kv_idx, q_num, q_idx, full_q_num, full_q_idx) exactly as
+    create_block_mask returns them, minus its argsort (a Triton sort compiling for minutes,
+    pytorch/pytorch#182060). Each document one run of `doc` (as packed), a query row of anchor j
+    sees one interval of context, [start of a_j's document, a_j), and one of its own block."""
     N, dev = anchors.shape[0], anchors.device
-    Q, KV = N * B, S + N * B
-    t = torch.arange(S, device=dev)
-    new_doc = torch.ones(S, dtype=torch.bool, device=dev)
-    new_doc[1:] = doc[1:] != doc[:-1]
-    doc_start = torch.where(new_doc, t, 0).cummax(0).values             # of each token's document
-    r = torch.arange(-(-Q // TILE) * TILE, device=dev)[:, None]         # (tile-padded) query rows
+    new_doc = F.pad(doc[1:] != doc[:-1], (1, 0), value=True)
+    doc_start = torch.where(new_doc, torch.arange(S, device=dev), 0).cummax(0).values  # [S]
+    r = torch.arange(-(-N * B // TILE) * TILE, device=dev)[:, None]     # (tile-padded) query rows
     j, k = r // B, r % B                                                 # their anchor, block slot
     real = j < N
     j = j.clamp(max=N - 1)
@@ -112,7 +101,7 @@ def anchor_blocks(anchors, keep, doc, S, B, window=0):
     if window:
         lo = lo.maximum(a + k - (window - 1))
         blo, bhi = blo + (k - (window - 1)).clamp(min=0), blo + k + 1
-    k0 = torch.arange(0, KV, TILE, device=dev)[None, :]                  # first key of each kv tile
+    k0 = torch.arange(0, S + N * B, TILE, device=dev)[None, :]           # first key of each kv tile
     k1 = k0 + TILE
     sees_context = lo.maximum(k0) < hi.minimum(k1)
     sees_block = blo.maximum(k0) < bhi.minimum(k1)
@@ -135,7 +124,7 @@ def anchor_blocks(anchors, keep, doc, S, B, window=0):
     return (*ordered(partial), *ordered(full), *ordered(partial.t()), *ordered(full.t()))
 
 # -----------------------------------------------------------------------------
-# 4) the loss
+# 3) the loss
 
 def dpace_weights(q, valid, alpha):
     """D-PACE's position weights (arXiv 2605.18810; SpecForge's _dpace_weight) for blocks [..., B]:
@@ -147,11 +136,10 @@ def dpace_weights(q, valid, alpha):
     return prefix.flip(-1).cumsum(-1).flip(-1) * valid
 
 class _WeightedCE(torch.autograd.Function):
-    """sum_i w_i * CE(h_i @ W^T, y_i) over the frozen LM head W, in chunks of rows so the
-    [N*B, vocab] logits never exist at once. The gradient wrt h (the only one: W is frozen) is
-    computed in the forward, which saves re-running the logits GEMM in the backward.
-    dpace=alpha: w is the 0/1 supervision and each block's weights are dpace_weights of the slots'
-    own probabilities (chunks of whole blocks of B rows), constants for the gradient."""
+    """sum_i w_i * CE(h_i @ W^T, y_i) over the frozen LM head W in chunks of rows (the [N*B, vocab]
+    logits never exist at once), the gradient wrt h made in the forward (no second logits GEMM in
+    the backward). dpace=alpha: w is the 0/1 supervision, each block's weights dpace_weights of the
+    slots' own probabilities (chunks of whole blocks of B rows), constants for the gradient."""
     @staticmethod
     def forward(ctx, h, weight, labels, w, chunk, B=None, dpace=None):
         loss, pred, grads = h.new_zeros((), dtype=torch.float32), [], []
@@ -187,7 +175,7 @@ class _WeightedCE(torch.autograd.Function):
         return (dh * g_loss).to(dh.dtype), None, None, None, None, None, None
 
 # -----------------------------------------------------------------------------
-# 5) the drafter
+# 4) the drafter
 
 def default_target_layer_ids(n_target_layers, n_feat):
     # z-lab/SpecForge/SGLang: evenly spaced from layer 1 to L-3, e.g. [1,16,31,46,61] for 64 layers
@@ -197,13 +185,11 @@ def default_target_layer_ids(n_target_layers, n_feat):
 
 FULL, SLIDING = "full_attention", "sliding_attention"   # the HF layer_types a drafter has
 
-# z-lab's published drafters by target (layers, hidden size, routed experts); the rest of their
-# geometry is from_target's rule
+# z-lab's published drafters by target (layers, hidden size, routed experts), read by from_target
 PUBLISHED_DRAFTERS = {
     # z-lab/Qwen3.6-27B-DFlash (and Qwen3.5-27B): 4 x sliding 2048 + 1 full, taps [1,16,31,46,61]
     (64, 5120, 0): dict(n_feat=5, num_hidden_layers=5, sliding_window=2048, mask_token_id=248070),
-    # z-lab/Qwen3.5-35B-A3B-DFlash and Qwen3.6-35B-A3B-DFlash (revision of June 2026):
-    # 5 x sliding 4096 + 1 full, taps [1, 6, 11, 16, 22, 27, 32, 37]
+    # z-lab/Qwen3.5-35B-A3B-DFlash and Qwen3.6-35B-A3B-DFlash (June 2026): 5 x sliding 4096 + 1 full
     (40, 2048, 256): dict(n_feat=8, num_hidden_layers=6, sliding_window=4096, mask_token_id=248077,
                           intermediate_size=6144),
 }
@@ -237,10 +223,8 @@ class DrafterConfig:
         slides = SLIDING in self.layer_types
         if self.use_sliding_window is None:
             self.use_sliding_window = slides
-        if self.max_window_layers is None:
-            self.max_window_layers = L
+        self.max_window_layers = L if self.max_window_layers is None else self.max_window_layers
         bad = [t for t in self.layer_types if t not in (FULL, SLIDING)]
-        kind, factor = rope_type(self.rope_scaling), (self.rope_scaling or {}).get("factor")
         for ok, msg in [
                 (len(self.layer_types) == L,
                  f"layer_types has {len(self.layer_types)} entries for {L} layers"),
@@ -250,17 +234,17 @@ class DrafterConfig:
                  f"sliding_window {self.sliding_window!r}: sliding layers need a positive window "
                  "(tokens)"),
                 (not slides or self.use_sliding_window, "use_sliding_window is false but "
-                 "layer_types has sliding layers (HF then drops sliding_window)"),
-                (kind in ROPE_TYPES,
-                 f"rope_scaling: rope_type {kind!r} is not supported ({', '.join(ROPE_TYPES)})"),
-                (kind == "default" or (isinstance(factor, (int, float)) and factor > 0),
-                 f"rope_scaling: {kind} needs a positive factor, got {factor!r}")]:
+                 "layer_types has sliding layers (HF then drops sliding_window)")]:
             if not ok:
                 raise ValueError(msg)
+        def fail(field, value, why):
+            raise ValueError(f"rope_scaling: {field} {value!r} is not supported ({why})")
+        check_rope(self.rope_scaling, fail)
 
     def windows(self):
         # {layer kind: window} of the kinds present (0: full attention): the masks a step builds
-        return {t: self.sliding_window if t == SLIDING else 0 for t in sorted(set(self.layer_types))}
+        return {t: self.sliding_window if t == SLIDING else 0
+                for t in sorted(set(self.layer_types))}
 
     @classmethod
     def from_target(cls, t, n_feat=None, sliding_window=None, **overrides):
@@ -269,9 +253,8 @@ class DrafterConfig:
         sliding layer, all layers but the last sliding as published; 0: all full attention."""
         pub = PUBLISHED_DRAFTERS.get((t.num_hidden_layers, t.hidden_size, t.num_experts), {})
         n_feat = n_feat or pub.get("n_feat", 3 if t.num_hidden_layers < 16 else 5)
-        # attention: the published 32 heads of 128 (8 kv heads) from 1024 wide; below, heads of 64
-        # (kv 2), and 4 of 16 under 256 (the CPU demo): heads of 16 on a 384-wide target read its
-        # features through 32 value dims and learn almost nothing (RESULTS.md)
+        # attention: published 32 x 128 (8 kv) from 1024 wide, heads of 64 (kv 2) below, 4 x 16
+        # under 256 (the CPU demo: 16-dim heads on a 384-wide target learn ~nothing, RESULTS.md)
         if t.hidden_size >= 1024:
             heads, kv_heads, head_dim = 32, 8, 128
         elif t.hidden_size >= 256:
@@ -281,17 +264,16 @@ class DrafterConfig:
             heads, kv_heads, head_dim = 4, 2, 16
         known_mask = {248320: 248070, 151936: 151669}   # z-lab's mask ids for Qwen3.5/3.6, Qwen3
         dense_width = 3 * t.hidden_size if t.num_experts else t.intermediate_size  # MoE: no SwiGLU
-        kw = dict(hidden_size=t.hidden_size,
+        kw = dict({k: getattr(t, k) for k in ("hidden_size", "vocab_size", "rope_theta",
+                                              "max_position_embeddings", "rms_norm_eps",
+                                              "tie_word_embeddings")},
                   intermediate_size=pub.get("intermediate_size", dense_width),
                   num_hidden_layers=pub.get("num_hidden_layers", cls.num_hidden_layers),
                   num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
                   target_layer_ids=default_target_layer_ids(t.num_hidden_layers, n_feat),
                   num_target_layers=t.num_hidden_layers,
                   mask_token_id=pub.get("mask_token_id",
-                                        known_mask.get(t.vocab_size, t.vocab_size - 1)),
-                  vocab_size=t.vocab_size, rope_theta=t.rope_theta,
-                  max_position_embeddings=t.max_position_embeddings,
-                  rms_norm_eps=t.rms_norm_eps, tie_word_embeddings=t.tie_word_embeddings)
+                                        known_mask.get(t.vocab_size, t.vocab_size - 1)))
         kw.update({k: v for k, v in overrides.items() if v is not None})
         if sliding_window is None:
             sliding_window = pub.get("sliding_window", 0)
@@ -308,8 +290,7 @@ def drafter_rope(pos, c):
     return rope_cos_sin(pos, c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings)
 
 def _dense_attention(allowed):
-    # allowed [Q, KV] bool, or None for every key. Padded slots (queries that see nothing): zeros,
-    # as flex gives
+    # allowed [Q, KV] bool (None: every key); queries that see nothing (padded) get zeros, as flex's
     blind = None if allowed is None else ~allowed.any(-1)[:, None]
     def attend(q, k, v):
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
@@ -317,21 +298,13 @@ def _dense_attention(allowed):
     return attend
 
 def flex_kernel_options(device):
-    """flex_attention kernel options for this GPU. ~227 KB of shared memory per block
-    (H100/H200/B200): inductor's tiles, 2 pipeline stages in the backward instead of 3, the faster
-    there (RESULTS.md). ~100 KB (consumer parts): smaller tiles; inductor's defaults do not fit."""
+    """flex_attention kernel options: 2 backward pipeline stages, not 3, with ~227 KB of shared
+    memory per block (H100/H200/B200; faster, RESULTS.md); else tiles smaller than inductor's."""
     props = torch.cuda.get_device_properties(device)
     if getattr(props, "shared_memory_per_block_optin", 0) >= 200 * 1024:
         return dict(bwd_num_stages=2)
     return dict(BLOCK_M=64, BLOCK_N=64, num_stages=2,
                 bwd_BLOCK_M1=32, bwd_BLOCK_N1=64, bwd_BLOCK_M2=32, bwd_BLOCK_N2=32)
-
-def _flex_attention(block_mask, kernel_options):
-    from torch.nn.attention.flex_attention import flex_attention
-    def attend(q, k, v):
-        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True,
-                              kernel_options=kernel_options or None)
-    return attend
 
 def block_lists(config, anchors, keep, doc, S):
     # {layer kind: anchor_blocks(...)}: each mask's BlockMask lists, built before the graph
@@ -339,57 +312,41 @@ def block_lists(config, anchors, keep, doc, S):
             for kind, window in config.windows().items()}
 
 def row_attention(config, anchors, keep, doc, S, flex=None, blocks=None):
-    """{layer kind: attend(q, k, v)}: THE mask of each kind present as a dense boolean mask + SDPA
-    (flex None: CPU), or as a flex_attention BlockMask over blocks = block_lists(...) with kernel
-    options flex (GPU, inside the compiled step)."""
-    N, B, dev = anchors.shape[0], config.block_size, anchors.device
-    attend = {}
+    """{layer kind: attend(q, k, v)}: THE mask of each kind present, dense + SDPA (flex None, CPU)
+    or a BlockMask over blocks = block_lists(...) with flex's kernel options (GPU, compiled)."""
+    B, attend = config.block_size, {}
+    Q, KV = anchors.shape[0] * B, S + anchors.shape[0] * B
     for kind, window in config.windows().items():
         mask_mod = anchor_mask_mod(anchors, keep, doc, S, B, window)
         if flex is None:
-            q_idx = torch.arange(N * B, device=dev)[:, None]
-            kv_idx = torch.arange(S + N * B, device=dev)[None, :]
-            attend[kind] = _dense_attention(mask_mod(0, 0, q_idx, kv_idx))       # [Q, KV]
+            q_idx, kv_idx = (torch.arange(n, device=anchors.device) for n in (Q, KV))
+            attend[kind] = _dense_attention(mask_mod(0, 0, q_idx[:, None], kv_idx[None, :]))
         else:
-            from torch.nn.attention.flex_attention import BlockMask
-            bm = BlockMask((N * B, S + N * B), *blocks[kind], BLOCK_SIZE=(TILE, TILE),
-                           mask_mod=mask_mod)
-            attend[kind] = _flex_attention(bm, flex)
+            from torch.nn.attention.flex_attention import BlockMask, flex_attention
+            bm = BlockMask((Q, KV), *blocks[kind], BLOCK_SIZE=(TILE, TILE), mask_mod=mask_mod)
+            attend[kind] = functools.partial(flex_attention, block_mask=bm, enable_gqa=True,
+                                             kernel_options=flex or None)
     return attend
 
-class DrafterAttention(nn.Module):
-    """Qwen3 attention whose keys/values are [context ; block] and whose queries are the block."""
-    def __init__(self, c):
-        super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = (c.num_attention_heads,
-                                                        c.num_key_value_heads, c.head_dim)
-        q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(c.hidden_size, q_dim, bias=False)
-        self.k_proj = nn.Linear(c.hidden_size, kv_dim, bias=False)
-        self.v_proj = nn.Linear(c.hidden_size, kv_dim, bias=False)
-        self.o_proj = nn.Linear(q_dim, c.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
-
-    def forward(self, x, ctx, rope_q, rope_kv, attend):
-        Q, KV, hd = x.shape[0], ctx.shape[0] + x.shape[0], self.head_dim
-        kv_in = torch.cat([ctx, x])                                # context keys, then the block's
-        q = apply_rope(self.q_norm(self.q_proj(x).view(Q, self.n_heads, hd)), *rope_q)
-        k = apply_rope(self.k_norm(self.k_proj(kv_in).view(KV, self.n_kv_heads, hd)), *rope_kv)
-        v = self.v_proj(kv_in).view(KV, self.n_kv_heads, hd)
-        o = attend(*(t.transpose(0, 1)[None] for t in (q, k, v)))  # [1, heads, Q, hd]
-        return self.o_proj(o[0].transpose(0, 1).reshape(Q, self.n_heads * hd))
-
 class DrafterLayer(nn.Module):
+    """A Qwen3 decoder layer whose attention queries are the block and keys/values [context ;
+    block] (self_attn: the target's attention projections and q/k norms as Qwen3's, no gate)."""
     def __init__(self, c):
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = DrafterAttention(c)
+        self.self_attn = GatedAttention(c, qwen35=False)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c.hidden_size, c.intermediate_size)
 
     def forward(self, h, ctx, rope_q, rope_kv, attend):
-        h = h + self.self_attn(self.input_layernorm(h), ctx, rope_q, rope_kv, attend)
+        a, x = self.self_attn, self.input_layernorm(h)
+        Q, KV, hd = x.shape[0], ctx.shape[0] + x.shape[0], a.head_dim
+        kv_in = torch.cat([ctx, x])                                # context keys, then the block's
+        q = apply_rope(a.q_norm(a.q_proj(x).view(Q, a.n_heads, hd)), *rope_q)
+        k = apply_rope(a.k_norm(a.k_proj(kv_in).view(KV, a.n_kv_heads, hd)), *rope_kv)
+        v = a.v_proj(kv_in).view(KV, a.n_kv_heads, hd)
+        o = attend(*(t.transpose(0, 1)[None] for t in (q, k, v)))  # [1, heads, Q, hd]
+        h = h + a.o_proj(o[0].transpose(0, 1).reshape(Q, a.n_heads * hd))
         return h + self.mlp(self.post_attention_layernorm(h))
 
 class Drafter(nn.Module):
@@ -418,17 +375,14 @@ class Drafter(nn.Module):
 
     def forward(self, feats, tokens, loss_mask, doc, pos, anchors, keep, embed, head, gamma=7.0,
                 flex=None, blocks=None, ce_chunk=1024, dpace=None):
-        """Masked training forward over one packed row. feats [S, n_feat*H]; tokens, loss_mask,
-        doc, pos [S]; anchors, keep [N] from sample_anchors; embed, head the target's frozen
-        [vocab, H]. flex None: dense mask + SDPA (CPU); else flex_attention kernel options (GPU),
-        with blocks = block_lists(...) made before the compiled graph. dpace=alpha: D-PACE's
-        weights instead of the decay. Returns device tensors: the loss and the sums behind
-        acceptance and per-slot accuracy."""
+        """Masked training forward over one packed row: feats [S, n_feat*H]; tokens, loss_mask,
+        doc, pos [S]; anchors, keep [N] (sample_anchors); embed, head the target's [vocab, H];
+        flex None (dense mask + SDPA, CPU) or kernel options with blocks = block_lists(...) (GPU);
+        dpace=alpha: D-PACE's weights, no decay. -> the loss, acceptance and slot sums (device)"""
         c, S, N, B = self.config, tokens.shape[0], anchors.shape[0], self.config.block_size
         k = torch.arange(B, device=tokens.device)
         idx = anchors[:, None] + k                         # [N, B] absolute positions of the block
-        inside = idx < S
-        idx = idx.clamp(max=S - 1)
+        inside, idx = idx < S, idx.clamp(max=S - 1)
         is_anchor = (k == 0) & keep[:, None]
         # [N, B]: the anchor's token, then mask tokens (all mask tokens in a padded slot)
         block_ids = tokens[anchors][:, None].expand(N, B).masked_fill(~is_anchor, c.mask_token_id)
@@ -436,19 +390,17 @@ class Drafter(nn.Module):
         block_pos = (pos[anchors][:, None] + k).view(-1)   # RoPE positions anchor..anchor+B-1
         h = self.hidden(feats, pos, F.embedding(block_ids.view(-1), embed), block_pos, attend)
         # labels: slot k predicts the token AT anchor+k (no extra shift); slot 0 is the anchor
-        decay = torch.exp(-(k - 1).clamp(min=0).float() / gamma)
         same_doc = doc[idx] == doc[anchors][:, None]
         supervised = keep[:, None] & (k > 0) & inside & (loss_mask[idx] > 0) & same_doc
-        w = supervised.float() * decay                     # [N, B]
-        labels = tokens[idx]
-        weights, chunk, norm = w, ce_chunk, w.sum().clamp(min=1e-6)
+        w = supervised.float() * torch.exp(-(k - 1).clamp(min=0).float() / gamma)    # [N, B]
+        labels, chunk, norm = tokens[idx], ce_chunk, w.sum().clamp(min=1e-6)
         if dpace is not None:
             # D-PACE: no decay; the sum over the row's samples (documents with an anchor), as
             # SpecForge divides by its batch of samples; chunks of whole blocks
-            weights, chunk = supervised.float(), max(B, ce_chunk // B * B)
+            w, chunk = supervised.float(), max(B, ce_chunk // B * B)
             d = doc[anchors]
             norm = (keep & torch.cat([keep[:1], d[1:] != d[:-1]])).sum().clamp(min=1)
-        wce, pred = _WeightedCE.apply(h, head, labels.view(-1), weights.view(-1), chunk, B, dpace)
+        wce, pred = _WeightedCE.apply(h, head, labels.view(-1), w.view(-1), chunk, B, dpace)
         correct = (pred.view(N, B) == labels) & supervised
         accepted = 1 + correct[:, 1:].long().cumprod(1).sum(1)  # anchor + leading correct slots
         return dict(loss=wce / norm, accept_sum=(accepted * keep).sum(),
@@ -456,28 +408,24 @@ class Drafter(nn.Module):
 
     @torch.no_grad()
     def propose(self, ctx_feats, ctx_pos, anchor_token, anchor_pos, embed, head):
-        """What a serving engine runs: context = target features of the positions before the
-        anchor, block = [anchor, mask x (B-1)] at positions anchor_pos... Full layers see every key.
-        Sliding layers as SGLang (models/dflash.py: DECODER attention, window sliding_window-1
-        keys left of the query) and vLLM (models/qwen3_dflash.py: causal iff sliding) run them: a
-        key at position p is seen by the query at q iff q - (W-1) <= p <= q. Returns (B-1 tokens,
-        their logits)."""
+        """What a serving engine runs: context = the target's features before the anchor, block =
+        [anchor, mask x (B-1)] at anchor_pos...; full layers see every key, sliding ones as SGLang
+        (models/dflash.py: DECODER attention, W-1 keys left) and vLLM (models/qwen3_dflash.py:
+        causal iff sliding) run them: q sees p iff q - (W-1) <= p <= q. -> (B-1 tokens, logits)"""
         c, dev = self.config, ctx_feats.device
         block = torch.full((c.block_size,), c.mask_token_id, dtype=torch.long, device=dev)
         block[0] = anchor_token
         block_pos = anchor_pos + torch.arange(c.block_size, device=dev)
         q_at, kv_at = block_pos[:, None], torch.cat([ctx_pos, block_pos])[None, :]
-        attend = {kind: _dense_attention((kv_at <= q_at) & (q_at - kv_at < window)
-                                         if window else None)
-                  for kind, window in c.windows().items()}
+        sees = lambda w: (kv_at <= q_at) & (q_at - kv_at < w) if w else None   # [B, ctx + B]
+        attend = {kind: _dense_attention(sees(w)) for kind, w in c.windows().items()}
         h = self.hidden(ctx_feats, ctx_pos, F.embedding(block, embed), block_pos, attend)
         logits = (h[1:] @ head.t()).float()
         return logits.argmax(-1), logits
 
     def flops(self, S, N, visible=None):
-        """Matmul FLOPs of one training step (fwd + bwd) at S context tokens and N anchors.
-        visible: {layer kind: (query, key) pairs its mask lets through} for the attention FLOPs
-        (None leaves them out)."""
+        """Matmul FLOPs of a training step (fwd + bwd) at S context tokens and N anchors; attention
+        from visible, {layer kind: (query, key) pairs its mask lets through} (None: left out)."""
         c, Q = self.config, N * self.config.block_size
         q_o_mlp = c.hidden_size * (2 * c.num_attention_heads * c.head_dim + 3 * c.intermediate_size)
         kv = 2 * c.hidden_size * c.num_key_value_heads * c.head_dim
@@ -486,33 +434,22 @@ class Drafter(nn.Module):
         attn = 4 * c.num_attention_heads * c.head_dim * pairs          # QK^T and PV
         fc = 2 * S * self.fc.in_features * c.hidden_size               # no input grad: fwd + dW
         head = 2 * Q * c.vocab_size * c.hidden_size
-        # trainable GEMMs: fwd + 2x bwd; the frozen head: logits + dh
-        return 3 * (fwd + attn) + 2 * fc + 2 * head
+        return 3 * (fwd + attn) + 2 * fc + 2 * head      # fwd + 2x bwd; frozen head: logits + dh
 
     # -------------------------------------------------------------------------
-    # 6) export in the z-lab format
+    # 5) export in the z-lab format
 
     def save_pretrained(self, out_dir, step=None):
         """z-lab format: config.json + model.safetensors (bf16, keys without a `model.` prefix),
         each replaced atomically; `step` goes into the safetensors metadata."""
         from safetensors.torch import save_file
-        c = self.config
         os.makedirs(out_dir, exist_ok=True)
-        cfg = dict(architectures=["DFlashDraftModel"], model_type="qwen3", block_size=c.block_size,
-                   dflash_config=dict(block_size=c.block_size, mask_token_id=c.mask_token_id,
-                                      target_layer_ids=list(c.target_layer_ids)),
-                   num_target_layers=c.num_target_layers, hidden_size=c.hidden_size,
-                   intermediate_size=c.intermediate_size, num_hidden_layers=c.num_hidden_layers,
-                   num_attention_heads=c.num_attention_heads,
-                   num_key_value_heads=c.num_key_value_heads,
-                   head_dim=c.head_dim, hidden_act="silu", attention_bias=False,
-                   attention_dropout=0.0, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
-                   rope_scaling=c.rope_scaling, max_position_embeddings=c.max_position_embeddings,
-                   layer_types=list(c.layer_types), use_sliding_window=c.use_sliding_window,
-                   sliding_window=c.sliding_window, max_window_layers=c.max_window_layers,
-                   vocab_size=c.vocab_size, tie_word_embeddings=c.tie_word_embeddings,
-                   initializer_range=0.02, dtype="bfloat16", torch_dtype="bfloat16",
-                   use_cache=True)
+        cfg = asdict(self.config)   # every field; mask_token_id, target_layer_ids in dflash_config
+        dflash = dict(block_size=cfg["block_size"], mask_token_id=cfg.pop("mask_token_id"),
+                      target_layer_ids=cfg.pop("target_layer_ids"))
+        cfg = dict(architectures=["DFlashDraftModel"], model_type="qwen3", dflash_config=dflash,
+                   **cfg, hidden_act="silu", attention_bias=False, attention_dropout=0.0,
+                   initializer_range=0.02, dtype="bfloat16", torch_dtype="bfloat16", use_cache=True)
         tensors = {k: v.detach().to(torch.bfloat16).contiguous().cpu()
                    for k, v in self.state_dict().items()}
         tmp = os.path.join(out_dir, f".tmp-{os.getpid()}")
@@ -565,15 +502,13 @@ class Drafter(nn.Module):
         return model.to(device=device, dtype=dtype)
 
 def config_from_json(cfg):
-    """DrafterConfig of a z-lab config.json dict (HF Qwen3Config fields + dflash_config). RoPE in
-    either spelling: transformers 4.x `rope_scaling` + top-level `rope_theta` (z-lab's), or 5.x
-    `rope_parameters`."""
+    """DrafterConfig of a z-lab config.json dict (HF Qwen3Config fields + dflash_config), RoPE in
+    transformers 4.x spelling (z-lab's `rope_scaling` + top-level `rope_theta`) or 5.x's."""
     dflash = cfg.get("dflash_config", {})
     if not {"mask_token_id", "target_layer_ids"} <= set(dflash):
         raise ValueError("no dflash_config with mask_token_id and target_layer_ids: not a DFlash "
                          "drafter config")
-    names = {f.name for f in fields(DrafterConfig)}
-    kw = {k: v for k, v in cfg.items() if k in names}
+    kw = {k: v for k, v in cfg.items() if k in DrafterConfig.__dataclass_fields__}
     kw.update(block_size=dflash.get("block_size", cfg.get("block_size", 16)),
               mask_token_id=dflash["mask_token_id"], target_layer_ids=dflash["target_layer_ids"])
     rope = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
@@ -581,9 +516,8 @@ def config_from_json(cfg):
     rotary = rope.pop("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
     kw.update(rope_theta=theta, rope_scaling=rope if rope_type(rope) != "default" else None)
     if "layer_types" not in cfg:   # HF Qwen3Config's rule: sliding from max_window_layers on
-        window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
-        first = cfg.get("max_window_layers", 28)
-        kw["layer_types"] = [SLIDING if window is not None and i >= first else FULL
+        slides = cfg.get("use_sliding_window") and cfg.get("sliding_window") is not None
+        kw["layer_types"] = [SLIDING if slides and i >= cfg.get("max_window_layers", 28) else FULL
                              for i in range(cfg["num_hidden_layers"])]
     causal = cfg.get("is_causal", dflash.get("causal"))   # vLLM: one value for every layer
     kinds = set(kw["layer_types"])
@@ -598,38 +532,29 @@ def config_from_json(cfg):
              f"{cfg.get('attention_dropout')}: not supported (the drafter trains without dropout)"),
             (rotary == 1.0, f"partial_rotary_factor {rotary}: only 1.0 is supported"),
             (rope_type(rope) != "yarn" or "original_max_position_embeddings" not in cfg,
-             "a top-level original_max_position_embeddings is not supported; put it in "
-             "rope_scaling"),
+             "top-level original_max_position_embeddings is not supported: put it in rope_scaling"),
             (causal is None or kinds == {SLIDING if causal else FULL},
              f"is_causal / dflash_config.causal {causal}: this drafter trains sliding layers "
-             f"causal and full layers bidirectional, as the engines serve layer_types "
-             f"{sorted(kinds)}")]:
+             f"causal, full ones bidirectional, as the engines serve layer_types {sorted(kinds)}")]:
         if not ok:
             raise ValueError(msg)
     return DrafterConfig(**kw)
 
 # -----------------------------------------------------------------------------
-# 7) the drafter step
+# 6) the drafter step
 
 def drafter_loss(drafter, feats, row, **kw):
-    """Drafter.forward on one packed row under bf16 autocast on GPU: the graph train.py compiles
-    (static shapes). row: {"tokens", "loss_mask", "doc", "pos"} [S] on the device; kw: Drafter.
-    forward's keywords. Evals run it too, with autograd recording and no backward (their saved
-    activations are freed with the output): a no_grad eval would be a second graph, compiled once
-    more."""
+    """Drafter.forward on one packed row ({"tokens", "loss_mask", "doc", "pos"} [S], on device)
+    under bf16 autocast on GPU: the graph train.py compiles. Evals run it too, autograd recording
+    and no backward (saved activations freed with the output): no_grad would be a second graph."""
     with torch.autocast("cuda", torch.bfloat16) if feats.is_cuda else nullcontext():
-        return drafter(feats, tokens=row["tokens"], loss_mask=row["loss_mask"], doc=row["doc"],
-                       pos=row["pos"], **kw)
+        return drafter(feats, **{k: row[k] for k in ("tokens", "loss_mask", "doc", "pos")}, **kw)
 
 def drafter_step(drafter, feats, row, *, per_doc, capacity, loss=drafter_loss, **kw):
-    """The drafter's part of a training step on one packed row, before its backward: the row's
-    anchors (up to per_doc per document, capacity per row) and, for flex, their BlockMask lists,
-    made on the device just before the graph (inductor's flex lowering rejects mask tensors made
-    inside it); then loss(drafter, feats, row, **kw): drafter_loss, or train.py's compiled one.
-    kw: embed, head, gamma, flex, dpace. Returns (the loss's dict, anchors wanted before the
-    capacity cut)."""
+    """A training step's drafter part on one packed row, before its backward: anchors (per_doc per
+    document, capacity per row), for flex their BlockMask lists (inductor's flex lowering rejects
+    masks made in the graph), then loss(..., **kw) -> (its dict, anchors wanted before the cut)."""
     anchors, keep, wanted = sample_anchors(row["loss_mask"], row["doc"], per_doc, capacity)
-    blocks = None
-    if kw.get("flex") is not None:
-        blocks = block_lists(drafter.config, anchors, keep, row["doc"], row["doc"].shape[0])
+    blocks = (block_lists(drafter.config, anchors, keep, row["doc"], row["doc"].shape[0])
+              if kw.get("flex") is not None else None)
     return loss(drafter, feats, row, anchors=anchors, keep=keep, blocks=blocks, **kw), wanted

@@ -5,7 +5,7 @@ on CPU, so every test runs without a GPU. The reference is transformers'
 models/qwen3_5/modeling_qwen3_5.py (test_smoke.py compares against it).
 
 The Target interface: what the rest of the trainer calls, so another target (a Llama, say) is
-this file rewritten against it (test_smoke.py trains one):
+this file rewritten against it:
   TargetConfig.preset(name) / .from_hf(dir)   ValueError (OSError) naming the field or file; a
       dataclass (vars() goes into checkpoints) with vocab_size, hidden_size, num_hidden_layers,
       intermediate_size, num_experts (0: dense), rope_theta, max_position_embeddings,
@@ -13,18 +13,17 @@ this file rewritten against it (test_smoke.py trains one):
   Target.build(config, device, dtype, n_layers, head) (random weights) / .from_pretrained(dir,
       device, dtype, n_layers, head) (ValueError, KeyError, FileNotFoundError): layers
       [0, n_layers) only; head=False: no final norm and lm_head
-  .embed_tokens.weight, .lm_head.weight [vocab, H] (the drafter borrows them), .norm (--kd)
+  .embed_tokens.weight, .lm_head.weight [vocab, H] (the drafter borrows them)
   .features(ids [T], cu_seqlens [n+1] on the CPU, layer_ids) -> [T, len(layer_ids) * H]: the
       outputs of decoder layers layer_ids (HF hidden_states[i+1]), each packed document alone
-  .features_and_logits(ids, cu_seqlens, layer_ids, at) and .greedy(prompts, new_tokens,
-      temperature, generator): generate.py, the demo data, quality.py
-model.py borrows the small shared pieces at the top of this file (RMSNorm, MLP, RoPE).
+  .features_and_logits(ids, cu_seqlens, layer_ids, at), .logits(ids, cu_seqlens, at),
+      .greedy(prompts, new_tokens, temperature, generator), .flops(cu_seqlens, n_layers)
+model.py borrows the small shared pieces (RMSNorm, MLP, RoPE) and GatedAttention's projections.
 """
 import functools
 import json
 import math
 import os
-import time
 import zlib
 from dataclasses import dataclass, fields
 from typing import NamedTuple
@@ -37,38 +36,41 @@ import torch.nn.functional as F
 # -----------------------------------------------------------------------------
 # pieces shared with the drafter
 
-def rms_norm(x, weight, eps, plus_one=False):
-    # Qwen3.5 stores its norms zero-centred (scale = 1 + w); Qwen3 and the GDN gated norm use
-    # plain w
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    scale = weight.float() + 1.0 if plus_one else weight.float()
-    return (xf * scale).to(x.dtype)
-
 class RMSNorm(nn.Module):
+    # plus_one: Qwen3.5's zero-centred norms (scale 1 + w); Qwen3 and the GDN gated norm: plain w
     def __init__(self, dim, eps, plus_one=False):
         super().__init__()
         self.eps, self.plus_one = eps, plus_one
         self.weight = nn.Parameter(torch.zeros(dim) if plus_one else torch.ones(dim))
 
     def forward(self, x):
-        return rms_norm(x, self.weight, self.eps, self.plus_one)
+        xf = x.float()
+        scale = self.weight.float() + 1.0 if self.plus_one else self.weight.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * scale).to(x.dtype)
 
 ROPE_TYPES = ("default", "linear", "yarn")   # HF rope_type values rope_inv_freq computes
 
 def rope_type(scaling):
-    # the rope_type of an HF rope_scaling / rope_parameters dict (transformers 4.x configs spell
-    # it "type")
+    # of an HF rope_scaling / rope_parameters dict (transformers 4.x configs spell it "type")
     return "default" if not scaling else scaling.get("rope_type", scaling.get("type", "default"))
 
+def check_rope(scaling, fail):
+    # fail(field, value, why) unless rope_inv_freq computes the HF rope dict `scaling` as HF does
+    kind, factor = rope_type(scaling), (scaling or {}).get("factor")
+    if kind == "dynamic":
+        fail("rope_type", kind, "transformers recomputes dynamic NTK per batch length, vLLM fixes "
+             "it at max_position_embeddings * factor: served features are ambiguous; use yarn")
+    if kind not in ROPE_TYPES:
+        fail("rope_type", kind, f"RoPE types computed here: {', '.join(ROPE_TYPES)}")
+    if kind != "default" and not (isinstance(factor, (int, float)) and factor > 0):
+        fail("factor", factor, f"rope_type {kind} needs a positive factor")
+
 def rope_inv_freq(dim, theta, scaling=None, max_positions=None, device=None):
-    """RoPE inverse frequencies [dim/2] over `dim` rotary dims, and the factor cos and sin are
-    multiplied by, exactly as transformers 5.x modeling_rope_utils.py computes them for rope_type
-    default, linear and yarn (YaRN: Peng et al., arXiv:2309.00071; the explicit factor wins over
-    max_position_embeddings/original, as in v5). scaling: the HF dict without rope_theta;
-    max_positions: the config's max_position_embeddings, YaRN's original length when the dict has
-    none. A partial rotary computes over its rotary dims only (HF: dim = head_dim *
-    partial_rotary_factor)."""
+    """RoPE inverse frequencies [dim/2] over `dim` rotary dims (partial RoPE: HF's head_dim *
+    partial_rotary_factor) and the factor cos and sin are multiplied by, exactly as transformers
+    5.x modeling_rope_utils.py computes them for rope_type default, linear and yarn (YaRN: Peng et
+    al., arXiv:2309.00071; the explicit factor wins over max_position_embeddings/original, as in
+    v5). scaling: the HF dict without rope_theta; max_positions: YaRN's default original length."""
     s, kind = scaling or {}, rope_type(scaling)
     pos_freqs = theta ** (torch.arange(0, dim, 2, device=device).float() / dim)
     if kind == "default":
@@ -98,20 +100,16 @@ def rope_inv_freq(dim, theta, scaling=None, max_positions=None, device=None):
     return inv_freq, float(scale)
 
 def rope_cos_sin(pos, dim, theta, scaling=None, max_positions=None):
-    # NeoX-style rotary cos, sin [T, dim] in fp32 at positions pos [T], times the attention factor
-    # (HF multiplies both by it: YaRN's softmax temperature)
+    # NeoX-style cos, sin [T, dim] in fp32 at positions pos [T], both times YaRN's attention factor
     inv_freq, scale = rope_inv_freq(dim, theta, scaling, max_positions, pos.device)
-    angles = pos.float()[:, None] * inv_freq[None, :]
-    angles = torch.cat([angles, angles], dim=-1)
+    angles = (pos.float()[:, None] * inv_freq[None, :]).repeat(1, 2)
     return angles.cos() * scale, angles.sin() * scale
 
 def apply_rope(x, cos, sin):
-    # x [T, heads, head_dim]; rotates the first cos.shape[-1] dims (partial RoPE), pairing i with
-    # i + rot/2
+    # x [T, heads, head_dim]; rotates the first rot dims (partial RoPE), pairing i with i + rot/2
     rot = cos.shape[-1]
     x_rot, x_pass = x[..., :rot].float(), x[..., rot:]
-    x1, x2 = x_rot[..., : rot // 2], x_rot[..., rot // 2:]
-    rotated = torch.cat([-x2, x1], dim=-1)
+    rotated = torch.cat([-x_rot[..., rot // 2:], x_rot[..., :rot // 2]], dim=-1)
     out = x_rot * cos[:, None, :] + rotated * sin[:, None, :]
     return torch.cat([out.to(x.dtype), x_pass], dim=-1)
 
@@ -131,9 +129,7 @@ def upload(t, device):
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 def positions_from_cu(cu_seqlens):
-    # cu_seqlens [n+1] (CPU) -> positions [T] restarting at 0 in every document. In numpy, as
-    # _chunk_indices: torch's repeat_interleave is a costly host op of every step (bench.py steps,
-    # README: Results); in numpy it leaves the profile's top 20
+    # -> positions [T] from 0 in each document (numpy: torch's repeat_interleave is a slow host op)
     cu = np.asarray(cu_seqlens, dtype=np.int64)
     return torch.from_numpy(np.arange(cu[-1]) - np.repeat(cu[:-1], np.diff(cu)))
 
@@ -159,8 +155,7 @@ def torch_chunk_gated_delta_rule(q, k, v, g, beta, chunk=None):
         M <- exp(g_t) M;  M <- M + k_t (beta_t (v_t - M^T k_t))^T;  o_t = M^T q_t
     computed chunkwise in the WY form (Yang et al., Gated Delta Networks, arXiv:2412.06464)."""
     T, heads, dk = k.shape
-    # ~dk balances the O(C^2) in-chunk work against the O(dk dv) state work
-    chunk = chunk or min(64, max(16, dk))
+    chunk = chunk or min(64, max(16, dk))   # ~dk: O(C^2) in-chunk work vs O(dk dv) state work
     pad = (-T) % chunk
     q, k, v, g, beta = [F.pad(t.float(), (0, 0) * (t.dim() - 1) + (0, pad))
                         for t in (q, k, v, g, beta)]
@@ -191,25 +186,22 @@ def torch_chunk_gated_delta_rule(q, k, v, g, beta, chunk=None):
     return o[:T]
 
 def _chunk_list(cu):
-    # fla's work list of 64-token chunks for boundaries cu: [n_chunks, 2] = (document, chunk
-    # within it), as fla.ops.utils.prepare_chunk_indices makes it, but from the host's boundaries
-    # (fla makes it from the device cu_seqlens with a host sync in every forward)
+    # fla's work list, (document, chunk within it) of each 64-token chunk [n_chunks, 2], from the
+    # host's boundaries (fla.ops.utils.prepare_chunk_indices syncs on the device's every forward)
     counts = (np.diff(cu) + 63) // 64                                  # numpy: positions_from_cu
     doc = np.repeat(np.arange(len(counts)), counts)
     first = np.cumsum(counts) - counts
     return np.stack([doc, np.arange(len(doc)) - first[doc]], 1)
 
 @functools.lru_cache(maxsize=4)
-def _chunk_indices(cu, device):
-    # _chunk_list of cu (a tuple) on device
+def _chunk_indices(cu, device):   # cu: a tuple
     return upload(torch.from_numpy(_chunk_list(cu)), device)
 
 class Docs(NamedTuple):
-    """The document boundaries of a packed row, as every layer reads them: cu [n+1] long on the
-    row's device, the same as a host list, fla's chunk list (fla kernels), the longest document
-    (flash attention's grid), and pad: pad_docs' index [n_docs, longest], which of it is real,
-    each token's document and unpad_docs' index (plain-torch layers), made on the host: a
-    compiled layer never syncs."""
+    """A packed row's document boundaries as every layer reads them, made on the host (a compiled
+    layer never syncs): cu [n+1] long on the row's device and as a host list; fla's chunk list and
+    the longest document (fla, flash attention); pad (plain torch): pad_docs' index [n_docs,
+    longest], which of it is real, each token's document and unpad_docs' index."""
     cu: torch.Tensor
     bounds: list
     chunks: torch.Tensor | None
@@ -222,15 +214,14 @@ class Docs(NamedTuple):
         # have a backward; quality.py trains a target with them)
         bounds = cu_seqlens.tolist()
         cu, lens = np.asarray(bounds), np.diff(bounds)
+        docs = Docs(upload(cu_seqlens, device), bounds, None, int(lens.max()))
         if device.type == "cuda" and kernels:
-            return Docs(upload(cu_seqlens, device), bounds, _chunk_indices(tuple(bounds), device),
-                        int(lens.max()))
+            return docs._replace(chunks=_chunk_indices(tuple(bounds), device))
         j = np.arange(lens.max())
         valid = j[None, :] < lens[:, None]
         pad = (np.where(valid, cu[:-1, None] + j, 0), valid, np.repeat(np.arange(len(lens)), lens),
                np.flatnonzero(valid))
-        return Docs(upload(cu_seqlens, device), bounds, None, int(lens.max()),
-                    tuple(upload(torch.from_numpy(a), device) for a in pad))
+        return docs._replace(pad=tuple(upload(torch.from_numpy(a), device) for a in pad))
 
 @functools.cache
 def _fla():
@@ -243,8 +234,7 @@ def _fla():
 # -----------------------------------------------------------------------------
 # target config and layers
 
-# GDN decay parameters: fp32 whatever the model dtype (the log decay g is computed in fp32)
-FP32_PARAMS = ("A_log", "dt_bias")
+FP32_PARAMS = ("A_log", "dt_bias")   # GDN decay parameters: fp32 whatever the model dtype
 
 # transformers' Qwen3_5TextConfig and Qwen3_5MoeTextConfig defaults where they differ from the 27B
 # values below (a config.json without the field gets these, as in transformers)
@@ -307,17 +297,15 @@ class TargetConfig:
 
     @classmethod
     def from_hf(cls, path):
-        """config.json of an HF checkpoint: the multimodal wrapper (text_config) or a text-only
-        config. Absent fields take transformers' defaults (Qwen3_5TextConfig, or
-        Qwen3_5MoeTextConfig for qwen3_5_moe), except that a qwen3_5_moe config must give its MoE
-        geometry (MOE_FIELDS); a field that changes the math and that this target does not
-        implement is a one-line ValueError naming it."""
+        """config.json of an HF checkpoint (multimodal, text_config, or text-only); absent fields
+        take transformers' defaults, but a qwen3_5_moe config must give MOE_FIELDS. A field that
+        changes the math and that this target lacks: a one-line ValueError naming it."""
         file = os.path.join(path, "config.json") if os.path.isdir(path) else path
         with open(file) as f:
             cfg = json.load(f)
         arch = cfg.get("architectures", ["?"])[0]
-        supported = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
-        if cfg.get("model_type") not in supported:
+        if cfg.get("model_type") not in ("qwen3_5", "qwen3_5_text", "qwen3_5_moe",
+                                         "qwen3_5_moe_text"):
             raise ValueError(f"{file}: model_type {cfg.get('model_type')!r} ({arch}) is not "
                              "supported; this trainer's target is the Qwen3.5/Qwen3.6 hybrid "
                              "(model_type qwen3_5 or qwen3_5_moe)")
@@ -328,83 +316,57 @@ class TargetConfig:
         given = {f.name: text[f.name] for f in fields(cls) if f.name in text}
         kw = {**(HF_MOE_TEXT_DEFAULTS if moe else HF_TEXT_DEFAULTS), **given}
         # the multimodal model ties lm_head by the wrapper's flag, not text_config's (transformers
-        # 5.x Qwen3_5ForConditionalGeneration); a text-only config reads its own. Both default to
-        # False.
+        # 5.x Qwen3_5ForConditionalGeneration); a text-only config reads its own (default False)
         kw["tie_word_embeddings"] = cfg.get("tie_word_embeddings", False)
-        where = "text_config." if "text_config" in cfg else ""
         # transformers' qwen3_5_moe: every layer is MoE and the top-k weights always sum to 1
-        moe_only = MOE_FIELDS + ("norm_topk_prob", "mlp_only_layers", "decoder_sparse_step")
+        every = "every layer of a qwen3_5_moe model is MoE"
+        moe_checks = [
+            *[(k, k in text, f"a qwen3_5_moe config needs {', '.join(MOE_FIELDS)}")
+              for k in MOE_FIELDS],
+            # (0 would make TargetConfig a dense model without its MLP)
+            ("num_experts", text.get("num_experts", 1) > 0,
+             "a qwen3_5_moe model routes every token to experts"),
+            ("norm_topk_prob", text.get("norm_topk_prob", True) is True,
+             "qwen3_5_moe renormalises the top-k weights"),
+            ("mlp_only_layers", not text.get("mlp_only_layers"), every),
+            ("decoder_sparse_step", text.get("decoder_sparse_step", 1) == 1, every),
+        ] if moe else [(k, not text.get(k), f"an MoE field in a dense {cfg['model_type']} config; "
+                        "use model_type qwen3_5_moe or remove it") for k in
+                       MOE_FIELDS + ("norm_topk_prob", "mlp_only_layers", "decoder_sparse_step")]
+        where = "text_config." if "text_config" in cfg else ""
         for field, ok, why in [
                 ("hidden_act", text.get("hidden_act", "silu") == "silu",
                  "the MLP and the GDN conv use SiLU"),
                 ("attention_bias", not text.get("attention_bias", False),
                  "the projections have no biases"),
-                *[(where + k, moe or not text.get(k),
-                   f"an MoE field in a dense {cfg['model_type']} config; "
-                   "use model_type qwen3_5_moe or remove it") for k in moe_only],
-                *[(where + k, not moe or k in text,
-                   f"a qwen3_5_moe config needs {', '.join(MOE_FIELDS)}") for k in MOE_FIELDS],
-                # (0 would make TargetConfig a dense model without its MLP)
-                (where + "num_experts", not moe or text.get("num_experts", 1) > 0,
-                 "a qwen3_5_moe model routes every token to experts"),
-                (where + "norm_topk_prob", not moe or text.get("norm_topk_prob", True) is True,
-                 "qwen3_5_moe renormalises the top-k weights"),
-                (where + "mlp_only_layers", not moe or not text.get("mlp_only_layers"),
-                 "every layer of a qwen3_5_moe model is MoE"),
-                (where + "decoder_sparse_step", not moe or text.get("decoder_sparse_step", 1) == 1,
-                 "every layer of a qwen3_5_moe model is MoE")]:
+                *[(where + field, ok, why) for field, ok, why in moe_checks]]:
             if not ok:
                 fail(field, text.get(field.split(".")[-1]), why)
-        kw.update(cls._rope_from_hf(text, fail))
-        quant = cfg.get("quantization_config") or text.get("quantization_config")
-        kw["fp8_block"] = cls._fp8_from_hf(quant, fail)
-        try:   # layer_types and num_experts_per_tok: checked by __post_init__
-            return cls(**kw)
-        except ValueError as e:
-            raise ValueError(f"{file}: {e}") from None
-
-    @staticmethod
-    def _rope_from_hf(text, fail):
-        # transformers 5.x (modeling_rope_utils.py convert_rope_params_to_dict,
-        # standardize_rope_params): a legacy rope_scaling replaces rope_parameters; rope_theta and
-        # partial_rotary_factor inside it win over top-level ones; without either, rope_theta is
-        # 10000 and partial_rotary_factor 0.25 (Qwen3_5TextConfig)
+        # RoPE as transformers 5.x reads it (modeling_rope_utils.py convert_rope_params_to_dict,
+        # standardize_rope_params): a legacy rope_scaling replaces rope_parameters, rope_theta and
+        # partial_rotary_factor in it beat top-level ones (else 10000, 0.25: Qwen3_5TextConfig)
         if text.get("rope_scaling") and text.get("rope_parameters"):
             fail("rope_scaling", text["rope_scaling"],
                  "rope_parameters is also set, and transformers would ignore it (its rope_theta "
                  "too): move the scaling keys into rope_parameters")
         where = "rope_scaling" if text.get("rope_scaling") else "rope_parameters"
         rope = dict(text.get(where) or {})
-        theta = rope.pop("rope_theta", text.get("rope_theta", 10000.0))
-        rotary = rope.pop("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
-        # M-RoPE: text positions are the same in all three (t, h, w) rows, so any section layout,
-        # interleaved or not, is plain 1-D RoPE (modeling_qwen3_5.py
-        # Qwen3_5TextRotaryEmbedding.recomposition_frequencies)
-        rope.pop("mrope_section", None)
-        rope.pop("mrope_interleaved", None)
-        kind, factor = rope_type(rope), rope.get("factor")
-        if kind == "dynamic":
-            fail(f"{where}.rope_type", kind,
-                 "transformers recomputes dynamic NTK per batch length while vLLM fixes it at "
-                 "max_position_embeddings * factor, so served features are ambiguous; use yarn")
-        if kind not in ROPE_TYPES:
-            fail(f"{where}.rope_type", kind, f"RoPE types computed here: {', '.join(ROPE_TYPES)}")
-        if kind != "default" and not (isinstance(factor, (int, float)) and factor > 0):
-            fail(f"{where}.factor", factor, f"rope_type {kind} needs a positive factor")
-        if kind == "yarn" and "original_max_position_embeddings" in text:
+        kw["rope_theta"] = rope.pop("rope_theta", text.get("rope_theta", 10000.0))
+        kw["partial_rotary_factor"] = rope.pop("partial_rotary_factor",
+                                               text.get("partial_rotary_factor", 0.25))
+        # M-RoPE: text positions are equal in all three (t, h, w) rows, so any section layout is
+        # 1-D RoPE (modeling_qwen3_5.py Qwen3_5TextRotaryEmbedding.recomposition_frequencies)
+        for k in ("mrope_section", "mrope_interleaved"):
+            rope.pop(k, None)
+        check_rope(rope, lambda field, value, why: fail(f"{where}.{field}", value, why))
+        if rope_type(rope) == "yarn" and "original_max_position_embeddings" in text:
             fail("original_max_position_embeddings", text["original_max_position_embeddings"],
                  f"Qwen3_5TextConfig ignores it at the top level: put it in {where}")
-        scaling = rope if kind != "default" else None
-        return dict(rope_theta=theta, partial_rotary_factor=rotary, rope_scaling=scaling)
-
-    @staticmethod
-    def _fp8_from_hf(q, fail):
-        # the one quantized form read: block FP8 as Qwen's official -FP8 checkpoints ship it
-        # (transformers utils/quantization_config.py FineGrainedFP8Config): e4m3 weights, float
-        # weight_scale_inv per block. Which weights are FP8 is read from the tensors (a
-        # weight_scale_inv beside them), so modules_to_not_convert needs no interpreting
-        if not q:
-            return None
+        kw["rope_scaling"] = rope if rope_type(rope) != "default" else None
+        # the one quantized form read: block FP8 as Qwen's -FP8 checkpoints ship it (transformers
+        # utils/quantization_config.py FineGrainedFP8Config): e4m3 weights, float weight_scale_inv
+        # per block; FP8 weights are known by their scales, so modules_to_not_convert is not read
+        q = cfg.get("quantization_config") or text.get("quantization_config") or {}
         block = q.get("weight_block_size")
         for field, ok, why in [
                 ("quant_method", q.get("quant_method") == "fp8",
@@ -416,21 +378,22 @@ class TargetConfig:
                 ("activation_scheme", q.get("activation_scheme", "dynamic") == "dynamic",
                  "only dynamic"),
                 ("scale_fmt", q.get("scale_fmt", "float") == "float", "scales must be floats")]:
-            if not ok:
+            if q and not ok:
                 fail(f"quantization_config.{field}", q.get(field), why)
-        return list(block)
+        kw["fp8_block"] = list(block) if q else None
+        try:   # layer_types and num_experts_per_tok: checked by __post_init__
+            return cls(**kw)
+        except ValueError as e:
+            raise ValueError(f"{file}: {e}") from None
 
     @classmethod
     def preset(cls, name):
         presets = {
             "qwen3.6-27b": dict(),   # the defaults above are the exact 27B geometry
-            # Qwen3.5-35B-A3B and Qwen3.6-35B-A3B (one geometry): 40 layers, 256 experts,
-            # top-8 + shared expert
+            # Qwen3.5-35B-A3B and Qwen3.6-35B-A3B (one geometry): transformers' defaults, 262144
+            # positions and 256 experts (top-8 of 512 wide + a shared expert of 512: our defaults)
             **dict.fromkeys(["qwen3.5-35b-a3b", "qwen3.6-35b-a3b"], dict(
-                hidden_size=2048, intermediate_size=0, num_hidden_layers=40,
-                num_attention_heads=16, num_key_value_heads=2, linear_num_value_heads=32,
-                num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
-                shared_expert_intermediate_size=512)),
+                HF_MOE_TEXT_DEFAULTS, max_position_embeddings=262144, num_experts=256)),
             # a few-layer toy with the same structure, for CPU tests and the demo
             "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=32,
@@ -443,25 +406,24 @@ class TargetConfig:
         return cls(**presets[name])
 
 class GatedAttention(nn.Module):
-    """Qwen3.5 full-attention layer: causal GQA with q/k norm, partial RoPE and a sigmoid output
-    gate."""
-    def __init__(self, c):
+    """Qwen3.5 full attention: causal GQA with q/k norm, partial RoPE and a sigmoid output gate.
+    qwen35=False: Qwen3's projections and norms (no gate, plain norm weights), the drafter's."""
+    def __init__(self, c, qwen35=True):
         super().__init__()
-        self.n_heads = c.num_attention_heads
-        self.n_kv_heads = c.num_key_value_heads
-        self.head_dim = c.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = (c.num_attention_heads,
+                                                        c.num_key_value_heads, c.head_dim)
         q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(c.hidden_size, 2 * q_dim, bias=False)   # per head: [query | gate]
+        # per head: [query | gate]
+        self.q_proj = nn.Linear(c.hidden_size, (2 if qwen35 else 1) * q_dim, bias=False)
         self.k_proj = nn.Linear(c.hidden_size, kv_dim, bias=False)
         self.v_proj = nn.Linear(c.hidden_size, kv_dim, bias=False)
         self.o_proj = nn.Linear(q_dim, c.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps, plus_one=True)
-        self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps, plus_one=True)
+        self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps, plus_one=qwen35)
+        self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps, plus_one=qwen35)
 
     def forward(self, x, rope, docs, cache=None):
         T, hd = x.shape[0], self.head_dim
-        # [T, heads, hd] each
-        q, gate = self.q_proj(x).view(T, self.n_heads, 2 * hd).chunk(2, dim=-1)
+        q, gate = self.q_proj(x).view(T, self.n_heads, 2 * hd).chunk(2, dim=-1)  # [T, heads, hd]
         q = apply_rope(self.q_norm(q), *rope)
         k = apply_rope(self.k_norm(self.k_proj(x).view(T, self.n_kv_heads, hd)), *rope)
         v = self.v_proj(x).view(T, self.n_kv_heads, hd)
@@ -483,13 +445,11 @@ class GatedAttention(nn.Module):
             k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
             o = varlen_attn(q, k, v, cu32, cu32, docs.longest, docs.longest, window_size=(-1, 0))
         else:
-            # documents padded into one batch [n_docs, heads, longest, hd]; causal, so no query
-            # sees the padding
+            # documents padded to [n_docs, heads, longest, hd]: causal, so no query sees the padding
             q, k, v = (pad_docs(t, docs).transpose(1, 2) for t in (q, k, v))
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
             o = unpad_docs(o.transpose(1, 2), docs)                   # [T, heads, hd]
-        o = o.reshape(T, self.n_heads * hd)
-        return self.o_proj(o * torch.sigmoid(gate.reshape(T, -1)))
+        return self.o_proj(o.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1)))
 
 class GatedDeltaNet(nn.Module):
     """Qwen3.5 linear-attention layer: causal conv -> gated delta rule -> gated RMSNorm."""
@@ -498,14 +458,13 @@ class GatedDeltaNet(nn.Module):
         self.n_qk, self.n_v = c.linear_num_key_heads, c.linear_num_value_heads
         self.dk, self.dv, self.eps = c.linear_key_head_dim, c.linear_value_head_dim, c.rms_norm_eps
         key_dim, value_dim = self.n_qk * self.dk, self.n_v * self.dv
-        # flat [q | k | v]
-        self.in_proj_qkv = nn.Linear(c.hidden_size, 2 * key_dim + value_dim, bias=False)
+        qkv_dim = 2 * key_dim + value_dim                   # flat [q | k | v]
+        self.in_proj_qkv = nn.Linear(c.hidden_size, qkv_dim, bias=False)
         self.in_proj_z = nn.Linear(c.hidden_size, value_dim, bias=False)
         self.in_proj_b = nn.Linear(c.hidden_size, self.n_v, bias=False)
         self.in_proj_a = nn.Linear(c.hidden_size, self.n_v, bias=False)
         self.conv1d = nn.Module()
-        self.conv1d.weight = nn.Parameter(torch.zeros(2 * key_dim + value_dim, 1,
-                                                      c.linear_conv_kernel_dim))
+        self.conv1d.weight = nn.Parameter(torch.zeros(qkv_dim, 1, c.linear_conv_kernel_dim))
         self.dt_bias = nn.Parameter(torch.ones(self.n_v))
         self.A_log = nn.Parameter(torch.zeros(self.n_v))
         self.norm = RMSNorm(self.dv, self.eps)              # plain weight, then * silu(z)
@@ -532,40 +491,34 @@ class GatedDeltaNet(nn.Module):
         else:
             width = self.conv1d.weight.shape[-1]
             if cache is not None:
-                # decoding (Target.greedy): x is the newest token of T sequences; each one's last
-                # width-1 conv inputs are cached (zeros before its start)
+                # decoding (greedy): each of the T sequences' last width-1 conv inputs are cached
                 past = cache.get("conv", qkv.new_zeros(T, qkv.shape[1], width - 1))
                 windows = torch.cat([past, qkv[:, :, None]], 2)           # [T, channels, width]
                 cache["conv"] = windows[:, :, 1:]
             else:
-                # causal depthwise conv that restarts at every document start: zero the taps from
-                # other documents
+                # a causal conv restarting at every document: taps from other documents zeroed
                 doc = docs.pad[2]
                 windows = F.pad(qkv, (0, 0, width - 1, 0)).unfold(0, width, 1)  # [T, channels, w]
                 window_doc = F.pad(doc, (width - 1, 0), value=-1).unfold(0, width, 1)  # [T, width]
                 windows = windows * (window_doc == doc[:, None])[:, None, :].to(windows.dtype)
             y = F.silu((windows * self.conv1d.weight[:, 0]).sum(-1))
             q, k, v = y.split(split, dim=-1)
-            # l2norm as HF/FLA do it: x / sqrt(|x|^2 + 1e-6) (F.normalize's x / max(|x|, eps)
-            # differs)
+            # l2norm as HF/FLA do it: x / sqrt(|x|^2 + 1e-6) (not F.normalize's x / max(|x|, eps))
             q, k = (t.view(T, self.n_qk, self.dk).float() for t in (q, k))
             q = q * torch.rsqrt(q.pow(2).sum(-1, keepdim=True) + 1e-6) * self.dk ** -0.5
             k = k * torch.rsqrt(k.pow(2).sum(-1, keepdim=True) + 1e-6)
-            rep = self.n_v // self.n_qk
-            # v-head j reads q/k head j // rep
+            rep = self.n_v // self.n_qk                      # v-head j reads q/k head j // rep
             q, k = (t.repeat_interleave(rep, dim=1) for t in (q, k))
             v = v.view(T, self.n_v, self.dv)
             if cache is not None:
-                # one step of the recurrence (torch_chunk_gated_delta_rule's docstring) per
-                # sequence, state M [T, heads, dk, dv] cached
+                # one step of the recurrence (torch_chunk_gated_delta_rule), M [T, heads, dk, dv]
                 M = cache.get("state", q.new_zeros(T, self.n_v, self.dk, self.dv))
                 M = M * g.exp()[..., None, None]
                 delta = beta[..., None].float() * (v.float() - (M * k[..., None]).sum(-2))
                 cache["state"] = M = M + k[..., None] * delta[..., None, :]
                 o = (M * q[..., None]).sum(-2).to(x.dtype)                   # [T, heads, dv]
             else:
-                # every document restarts the state: pad them into one batch and fold the batch
-                # into the heads
+                # every document restarts the state: pad them into a batch folded into the heads
                 n_docs, longest = len(docs.bounds) - 1, docs.longest
                 def fold(t):   # [T, heads, ...] -> [longest, n_docs * heads, ...]
                     return pad_docs(t, docs).transpose(0, 1).reshape(
@@ -578,11 +531,9 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(o.reshape(T, -1))
 
 def expert_linear(x, w, ends):
-    """x [P, in]: rows grouped by expert, in expert order (expert e's end at row ends[e]);
-    w [E, out, in] -> [P, out]"""
+    """x [P, in], rows grouped by expert (e's end at row ends[e]); w [E, out, in] -> [P, out]"""
     if x.dtype == torch.bfloat16 and w.shape[1] % 8 == 0 and w.shape[2] % 8 == 0:
-        # one grouped GEMM over all experts (CUTLASS on sm90+); the offsets stay on the device: no
-        # host sync
+        # one grouped GEMM (CUTLASS on sm90+), its offsets on the device: no host sync
         return torch._grouped_mm(x, w.transpose(1, 2), offs=ends.to(torch.int32))
     # rows not 16-byte aligned (toy sizes) or fp32
     return per_expert_linear(x, w, ends)
@@ -595,17 +546,15 @@ def per_expert_linear(x, w, ends):
 
 class MoE(nn.Module):
     """Qwen3.5/3.6 sparse MoE MLP (transformers' Qwen3_5MoeSparseMoeBlock): softmax router over all
-    experts in fp32, top-k renormalised to sum to 1; SwiGLU experts stored fused as 3-D tensors (as
-    the official checkpoints store them); plus a shared SwiGLU expert scaled by
-    sigmoid(shared_expert_gate(x))."""
+    experts in fp32, top-k renormalised to sum to 1; SwiGLU experts fused in 3-D tensors (as the
+    official checkpoints store them); a shared SwiGLU expert times sigmoid(shared_expert_gate)."""
     def __init__(self, c):
         super().__init__()
         E, H, I = c.num_experts, c.hidden_size, c.moe_intermediate_size
         self.top_k = c.num_experts_per_tok
         self.gate = nn.Linear(H, E, bias=False)                              # the router
         self.experts = nn.Module()
-        # per expert: [gate rows | up rows]
-        self.experts.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))
+        self.experts.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))   # [gate | up] rows
         self.experts.down_proj = nn.Parameter(torch.empty(E, H, I))
         self.shared_expert = MLP(H, c.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(H, 1, bias=False)
@@ -617,14 +566,11 @@ class MoE(nn.Module):
         w = (w / w.sum(-1, keepdim=True)).to(x.dtype)
         # the T*k (token, slot) pairs sorted by expert: every expert's rows are one contiguous slice
         expert, order = idx.flatten().sort(stable=True)          # [T*k]
-        # [E] (bincount would sync)
-        ends = torch.searchsorted(expert, torch.arange(1, E + 1, device=x.device))
+        ends = torch.searchsorted(expert, torch.arange(1, E + 1, device=x.device))  # [E] (no sync)
         gate, up = expert_linear(x[order // k], self.experts.gate_up_proj, ends).chunk(2, dim=-1)
         out = expert_linear(F.silu(gate) * up, self.experts.down_proj, ends)  # [T*k, H], sorted
-        # back to (token, slot) order
-        out = torch.empty_like(out).index_copy_(0, order, out).view(T, k, -1)
-        # weighted sum over the k slots, fp32 accumulate
-        routed = torch.bmm(w[:, None, :], out)[:, 0]
+        out = torch.empty_like(out).index_copy_(0, order, out).view(T, k, -1)   # token order
+        routed = torch.bmm(w[:, None, :], out)[:, 0]     # sum over the k slots, fp32 accumulate
         return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
 def active_params(module):
@@ -654,27 +600,13 @@ class TargetLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 # -----------------------------------------------------------------------------
-# the target model: random presets or an HF checkpoint; features for the drafter, logits for
-# generation
-
-def seeded_init_(name, t, std):
-    # every tensor gets its own generator seeded by its name, so a rank that builds only some
-    # tensors (a drafter rank builds just embed_tokens + lm_head) gets exactly the weights the
-    # target rank has. Small tensors are drawn on the CPU (a toy target is then the same on every
-    # device: the demo data was made on the CPU); big ones on their own device (27B of CPU normals
-    # would take minutes).
-    dev = t.device if t.numel() >= 1 << 24 else torch.device("cpu")
-    gen = torch.Generator(dev).manual_seed(zlib.crc32(name.encode()))
-    # fp32 draws: any dtype alike
-    t.copy_(torch.empty(t.shape, device=dev).normal_(0.0, std, generator=gen))
+# the target model: random or an HF checkpoint; features for the drafter, logits for generation
 
 def dequantize_fp8(w, scale_inv, block, dtype, what="weight_scale_inv"):
     """A block-FP8 weight w [rows, cols] (float8_e4m3fn) times its scales scale_inv
-    [ceil(rows/b0), ceil(cols/b1)]:
-    W[i, j] = w[i, j] * scale_inv[i // b0, j // b1], the last block of a row or column partial
-    (transformers integrations/finegrained_fp8.py FP8Linear allocates the scales so). Multiplied in
-    fp32 and rounded once to dtype; the scales are broadcast over column blocks, never expanded to
-    the weight's size."""
+    [ceil(rows/b0), ceil(cols/b1)]: W[i, j] = w[i, j] * scale_inv[i // b0, j // b1], the last block
+    of a row or column partial (transformers integrations/finegrained_fp8.py FP8Linear allocates
+    the scales so). In fp32, rounded once to dtype; the scales are never expanded to w's size."""
     (rows, cols), (b0, b1) = w.shape, block
     grid = (-(-rows // b0), -(-cols // b1))
     if tuple(scale_inv.shape) != grid:
@@ -697,9 +629,7 @@ class Target(nn.Module):
         c = self.config = config
         self.n_layers = n_layers if n_layers is not None else c.num_hidden_layers
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList([TargetLayer(c, c.layer_types[i])
-                                     for i in range(self.n_layers)])
-        self.complete = self.n_layers == c.num_hidden_layers
+        self.layers = nn.ModuleList(TargetLayer(c, kind) for kind in c.layer_types[:self.n_layers])
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, plus_one=True) if head else None
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False) if head else None
         self.requires_grad_(False)
@@ -715,32 +645,39 @@ class Target(nn.Module):
             t = torch.empty(p.shape, dtype=torch.float32 if fp32 else dtype, device=device)
             if name.endswith("A_log"):
                 t.copy_(torch.linspace(0.0, 2.7, p.numel()))  # decay rates exp(A) in [1, 15]
-            elif name.endswith("dt_bias"):
-                t.fill_(-2.0)
-            elif name.endswith("linear_attn.norm.weight"):
-                t.fill_(1.0)                                  # GDN gated norm: plain weight
-            elif p.dim() == 1:
-                t.zero_()                                     # zero-centred norms: scale 1 + 0
+            elif p.dim() == 1:   # dt_bias; the GDN gated norm's plain weight; zero-centred norms
+                t.fill_(-2.0 if name.endswith("dt_bias") else
+                        1.0 if name.endswith("linear_attn.norm.weight") else 0.0)
             else:
-                # embeddings N(0, 1) as nn.Embedding's default, so a random target's text is mostly
-                # a function of the last tokens (learnable: the demo's teacher); GPT-2's residual
-                # scaling on outputs
+                # embeddings N(0, 1) as nn.Embedding's, so a random target's text mostly follows
+                # the last tokens (learnable: the demo's teacher); GPT-2's scaled residual outputs
                 out = name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight",
                                      "down_proj"))
                 std = 1.0 if name == "embed_tokens.weight" else config.init_std
-                seeded_init_(name, t, std / (2 * config.num_hidden_layers) ** 0.5 if out else std)
+                std = std / (2 * config.num_hidden_layers) ** 0.5 if out else std
+                # a generator per tensor, seeded by its name: a rank that builds only some tensors
+                # (a drafter rank: embed_tokens + lm_head) gets exactly the target rank's weights.
+                # Small ones drawn on the CPU (a toy target is then the same on every device: the
+                # demo data was made there); big ones on their device (27B of CPU normals: minutes)
+                dev = t.device if t.numel() >= 1 << 24 else torch.device("cpu")
+                gen = torch.Generator(dev).manual_seed(zlib.crc32(name.encode()))
+                # fp32 draws: any dtype alike
+                t.copy_(torch.empty(t.shape, device=dev).normal_(0.0, std, generator=gen))
             state[name] = t
-        if config.tie_word_embeddings and head:
+        return model._assign(state)
+
+    def _assign(self, state):
+        # the module's tensors become those of state {name: tensor} (no copies)
+        if self.config.tie_word_embeddings and self.lm_head is not None:
             state["lm_head.weight"] = state["embed_tokens.weight"]
-        model.load_state_dict(state, assign=True)
-        return model
+        self.load_state_dict(state, assign=True)
+        return self
 
     @classmethod
     def from_pretrained(cls, path, device="cpu", dtype=torch.bfloat16, n_layers=None, head=True):
-        """Load an HF Qwen3.5/3.6 checkpoint dir (one model.safetensors, or shards with an index),
-        reading only the tensors this rank needs, straight to `device` (the model is built on the
-        meta device). Block-FP8 checkpoints (Qwen's -FP8 releases) are dequantized to `dtype` tensor
-        by tensor on `device`."""
+        """An HF Qwen3.5/3.6 checkpoint dir (one model.safetensors, or shards with an index): only
+        the tensors this rank needs, read straight to `device` into a model built on the meta
+        device; block-FP8 ones (Qwen's -FP8 releases) dequantized to `dtype` one by one there."""
         from safetensors import safe_open
         config = TargetConfig.from_hf(path)
         index = os.path.join(path, "model.safetensors.index.json")
@@ -749,28 +686,25 @@ class Target(nn.Module):
                 where = json.load(f)["weight_map"]
         elif os.path.exists(os.path.join(path, "model.safetensors")):
             with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
-                where = {k: "model.safetensors" for k in f.keys()}
+                where = dict.fromkeys(f.keys(), "model.safetensors")
         else:
             raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
-        # official multimodal layout: model.language_model.* + lm_head.weight; text-only layout:
-        # model.*
+        # official multimodal layout: model.language_model.* + lm_head.weight; text-only: model.*
         multimodal = any(k.startswith("model.language_model.") for k in where)
         prefix = "model.language_model." if multimodal else "model."
         with torch.device("meta"):
             model = cls(config, n_layers, head)
-        params = dict(model.named_parameters())
-        if config.tie_word_embeddings:
-            # set to embed_tokens' tensor below: read (and dequantized) once
-            params.pop("lm_head.weight", None)
-        wanted = {}   # shard file -> [(our name, checkpoint key, expected shape)]
+        # a tied lm_head is embed_tokens' tensor (_assign): read and dequantized once
+        params = {name: p for name, p in model.named_parameters()
+                  if not (config.tie_word_embeddings and name == "lm_head.weight")}
+        wanted = {}   # shard file -> [(checkpoint key, expected shape, dtype)]
         keys_of = {}  # our name -> its checkpoint keys (several: experts stored one per expert)
         for name, p in params.items():
-            key = "lm_head.weight" if name == "lm_head.weight" else prefix + name
+            key = name if name == "lm_head.weight" else prefix + name
             keys, shape = [key], tuple(p.shape)
             if key not in where and name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-                # the official checkpoints store each layer's experts fused, [E, 2I, H] and
-                # [E, H, I], like our parameters; transformers' save_pretrained writes
-                # experts.{e}.{gate,up,down}_proj.weight: stacked
+                # official checkpoints store each layer's experts fused, as ours ([E, 2I, H] and
+                # [E, H, I]); transformers' save_pretrained one by one: experts.{e}.{proj}.weight
                 projs = (("gate_proj", "up_proj") if name.endswith("gate_up_proj")
                          else ("down_proj",))
                 keys = [f"{key.rsplit('.', 1)[0]}.{e}.{proj}.weight"
@@ -781,7 +715,8 @@ class Target(nn.Module):
                     also = f" (nor {key})" if k != key else ""
                     raise KeyError(f"{path}: tensor {k}{also} (for {name}) is missing from the "
                                    "checkpoint index/file")
-                wanted.setdefault(where[k], []).append((name, k, shape))
+                out = torch.float32 if name.endswith(FP32_PARAMS) else dtype
+                wanted.setdefault(where[k], []).append((k, shape, out))
             keys_of[name] = keys
         tensors = {}
         # one shard open at a time: host memory stays near one shard
@@ -789,7 +724,7 @@ class Target(nn.Module):
             file = os.path.join(path, file)
             with safe_open(file, "pt", device=str(device)) as f:
                 present = set(f.keys())
-                for name, key, shape in items:
+                for key, shape, out in items:
                     if key not in present:
                         raise KeyError(f"{file}: tensor {key} listed in the index is not in this "
                                        "file")
@@ -797,7 +732,6 @@ class Target(nn.Module):
                     if tuple(t.shape) != shape:
                         raise ValueError(f"{file}: tensor {key} has shape {tuple(t.shape)}, "
                                          f"expected {shape} from config.json")
-                    out = torch.float32 if name.endswith(FP32_PARAMS) else dtype
                     scale_key = key + "_scale_inv"   # FP8 tensors come with their block scales
                     if scale_key in where or (t.is_floating_point() and t.element_size() == 1):
                         if scale_key not in where or t.dtype != torch.float8_e4m3fn or t.dim() != 2:
@@ -809,95 +743,72 @@ class Target(nn.Module):
                             raise ValueError(f"{file}: tensor {key} is block-FP8, but config.json "
                                              "has no quantization_config (quant_method fp8, "
                                              "weight_block_size)")
+                        # (the index may put a weight and its scales in different shards)
                         scale_file = os.path.join(path, where[scale_key])
-                        if scale_file == file:
-                            scale = f.get_tensor(scale_key)
-                        else:   # the index may put a weight and its scales in different shards
-                            with safe_open(scale_file, "pt", device=str(device)) as g:
-                                scale = g.get_tensor(scale_key)
+                        with safe_open(scale_file, "pt", device=str(device)) as g:
+                            scale = g.get_tensor(scale_key)
                         t = dequantize_fp8(t, scale, config.fp8_block, out,
                                            f"{scale_file}: {scale_key}")
                     tensors[key] = t.to(out)
-        state = {}
-        for name, p in params.items():
-            keys = keys_of[name]
-            if len(keys) == 1:
-                state[name] = tensors[keys[0]]
-            else:
-                # per-expert tensors, freed as they are stacked: [E (x2 gate, up), rows, cols] ->
-                # p's shape
-                state[name] = torch.stack([tensors.pop(k) for k in keys]).view(p.shape)
-        if config.tie_word_embeddings and head:
-            state["lm_head.weight"] = state["embed_tokens.weight"]
-        model.load_state_dict(state, assign=True)
-        return model
+        # per-expert tensors, freed once stacked: [E (x2 gate, up), rows, cols] -> the parameter's
+        return model._assign({name: tensors[keys[0]] if len(keys) == 1 else
+                              torch.stack([tensors.pop(k) for k in keys]).view(params[name].shape)
+                              for name, keys in keys_of.items()})
 
-    def _run(self, ids, cu_seqlens, stop, prepared=None):
-        # ids [T] long (device), cu_seqlens [n+1] long on the CPU: the packed documents' bounds;
-        # or prepared = (Docs, positions [T]) (speedups.FeatureGraphs' input buffers)
-        c, h = self.config, self.embed_tokens(ids)
+    def _run(self, ids, cu_seqlens, layer_ids, stop, prepared=None, caches=None):
+        # layers [0, stop) over ids [T] (device) -> (layer_ids' outputs concatenated or None, the
+        # last layer's output). Packed documents: cu_seqlens [n+1] long on the CPU, or prepared =
+        # (Docs, positions [T]) (speedups.FeatureGraphs' buffers); a decoding step (greedy):
+        # prepared = (None, positions [T]) and caches, one per layer
+        c, h, taps = self.config, self.embed_tokens(ids), {}
         docs, pos = prepared or (Docs.of(cu_seqlens, h.device),
                                  upload(positions_from_cu(cu_seqlens), h.device))
         rope = rope_cos_sin(pos, int(c.head_dim * c.partial_rotary_factor), c.rope_theta,
                             c.rope_scaling, c.max_position_embeddings)
         for i in range(stop):
-            h = self.layers[i](h, rope, docs)
-            yield i, h
+            h = self.layers[i](h, rope, docs, caches[i] if caches else None)
+            if i in layer_ids:
+                taps[i] = h
+        return torch.cat([taps[i] for i in layer_ids], dim=-1) if layer_ids else None, h
 
     @torch.inference_mode()
     def features(self, ids, cu_seqlens, layer_ids, prepared=None):
         """Concatenated outputs of decoder layers `layer_ids` (HF hidden_states[i+1]) ->
         [T, len * hidden]. Stops computing after the last requested layer."""
         assert max(layer_ids) < self.n_layers, f"layer {max(layer_ids)} was not built"
-        taps = {i: h for i, h in self._run(ids, cu_seqlens, max(layer_ids) + 1, prepared)
-                if i in layer_ids}
-        return torch.cat([taps[i] for i in layer_ids], dim=-1)
+        return self._run(ids, cu_seqlens, layer_ids, max(layer_ids) + 1, prepared)[0]
 
     def logits(self, ids, cu_seqlens, at=None):
-        """Next-token logits [T, vocab], or only at the positions `at` (generation needs each
-        document's last)."""
+        """Next-token logits [T, vocab], or only at the positions `at` ([len(at), vocab])."""
         return self.features_and_logits(ids, cu_seqlens, (), at)[1]
 
     @torch.inference_mode()
     def features_and_logits(self, ids, cu_seqlens, layer_ids, at=None):
-        """One forward through every layer giving both `features` (None without layer_ids) and
-        `logits` (speculative decoding: the verification forward also yields the next drafts'
-        context)."""
-        assert self.complete and self.norm is not None, ("logits need every layer and the head: "
-                                                         "build the target without n_layers")
-        taps = {}
-        for i, h in self._run(ids, cu_seqlens, self.n_layers):
-            if i in layer_ids:
-                taps[i] = h
-        logits = self.lm_head(self.norm(h if at is None else h[at])).float()
-        feats = torch.cat([taps[i] for i in layer_ids], dim=-1) if layer_ids else None
-        return feats, logits
+        """One forward through every layer giving `features` (None without layer_ids) and `logits`:
+        speculative decoding's verification forward also gives the next drafts' context."""
+        assert self.n_layers == self.config.num_hidden_layers and self.norm is not None, (
+            "logits need every layer and the head: build the target without n_layers")
+        feats, h = self._run(ids, cu_seqlens, layer_ids, self.n_layers)
+        return feats, self.lm_head(self.norm(h if at is None else h[at])).float()
 
     @torch.inference_mode()
     def greedy(self, prompts, new_tokens, temperature=0.0, generator=None):
-        """Greedy continuations of `prompts` (1-D id tensors), new_tokens each, decoded in lockstep
-        with per-layer caches (attention keys/values, the GDN conv inputs and state): a step costs
-        one token per sequence, not a rerun of the prefix. Sequence j reads its prompt while it
-        lasts, then its own argmax. Returns ids [n, longest prompt + new_tokens], row j's first
-        len(prompts[j]) + new_tokens being prompt j and its continuation. The plain torch path
-        (CPU, or any device). temperature > 0 samples from softmax(logits / temperature) instead
-        (torch.multinomial with `generator`), as a serving engine samples answers."""
-        assert self.complete and self.norm is not None, ("greedy needs every layer and the head: "
-                                                         "build the target without n_layers")
-        c, dev, n = self.config, self.embed_tokens.weight.device, len(prompts)
+        """Continuations of `prompts` (1-D id tensors), new_tokens each, decoded in lockstep with
+        per-layer caches (attention keys/values, the GDN conv inputs and state), on the plain-torch
+        path: sequence j reads its prompt while it lasts, then its own argmax (temperature > 0: a
+        draw from softmax(logits / temperature) with `generator`, as a serving engine samples).
+        Returns ids [n, longest prompt + new_tokens], row j = prompt j, then its continuation."""
+        assert self.n_layers == self.config.num_hidden_layers and self.norm is not None, (
+            "greedy needs every layer and the head: build the target without n_layers")
+        dev, n = self.embed_tokens.weight.device, len(prompts)
         lens = torch.tensor([len(p) for p in prompts], device=dev)
         seq = torch.zeros(n, int(lens.max()) + new_tokens, dtype=torch.long, device=dev)
         for j, p in enumerate(prompts):
             seq[j, :len(p)] = p
         caches = [dict(size=seq.shape[1]) for _ in self.layers]
-        for t in range(seq.shape[1] - 1):
-            # every sequence is at position t
-            rope = rope_cos_sin(torch.full((n,), t, device=dev),
-                                int(c.head_dim * c.partial_rotary_factor), c.rope_theta,
-                                c.rope_scaling, c.max_position_embeddings)
-            h = self.embed_tokens(seq[:, t])
-            for layer, cache in zip(self.layers, caches):
-                h = layer(h, rope, None, cache)
+        for t in range(seq.shape[1] - 1):     # every sequence is at position t
+            _, h = self._run(seq[:, t], None, (), self.n_layers,
+                             (None, torch.full((n,), t, device=dev)), caches)
             logits = self.lm_head(self.norm(h)).float()
             nxt = (logits.argmax(-1) if not temperature else torch.multinomial(
                 (logits / temperature).softmax(-1), 1, generator=generator)[:, 0])
