@@ -18,7 +18,8 @@ this file rewritten against it:
       outputs of decoder layers layer_ids (HF hidden_states[i+1]), each packed document alone
   .features_and_logits(ids, cu_seqlens, layer_ids, at), .logits(ids, cu_seqlens, at),
       .greedy(prompts, new_tokens, temperature, generator), .flops(cu_seqlens, n_layers)
-model.py borrows the small shared pieces (RMSNorm, MLP, RoPE) and GatedAttention's projections.
+model.py borrows the small shared pieces (RMSNorm, MLP, RoPE helpers, GatedAttention's layout):
+a rewrite keeps or imports them (test_train.py's Llama imports them from this file).
 """
 import functools
 import json

@@ -262,8 +262,8 @@ LLAMA_TARGET = """
 import json, os, zlib
 from dataclasses import dataclass, fields
 import torch, torch.nn as nn, torch.nn.functional as F
-from qwen_target import MLP, ROPE_TYPES, RMSNorm, apply_rope, positions_from_cu, rope_cos_sin
-from qwen_target import rope_type, upload
+from qwen_target import MLP, GatedAttention, RMSNorm, apply_rope, check_rope, positions_from_cu
+from qwen_target import rope_cos_sin, rope_type, upload
 
 @dataclass
 class TargetConfig:

@@ -389,7 +389,7 @@ def update(feats, packed, lr):
     opt.step()
     opt.zero_grad(set_to_none=True)
     # blocks: anchors kept; wanted: asked for before the capacity cut; gnorm: every drafter's
-    return dict(out, loss=out["loss"].nan_to_num(0.0), wanted=wanted, nonfinite=nonfinite,
+    return dict(out, loss=out["loss"].detach().nan_to_num(0.0), wanted=wanted, nonfinite=nonfinite,
                 gnorm=gnorm.nan_to_num(0.0))
 
 # The pair protocol. Per "train" and "eval" item of the schedule the target sends its drafter one
