@@ -14,9 +14,8 @@ import torch
 from safetensors import SafetensorError
 
 def claim(out, resume, overwrite, log=print):
-    """OUT for this process: its lock (held for the process's life: the OS drops it when the
-    process dies), --overwrite's deletions, and what a stopped run left half-written removed.
-    Returns the checkpoint's path."""
+    # OUT for this process: its lock (the OS drops it when the process dies), --overwrite's
+    # deletions, and what a stopped run left half-written removed
     ckpt_path = os.path.join(out, "ckpt.pt")
     try:
         os.makedirs(out, exist_ok=True)
@@ -45,13 +44,11 @@ def claim(out, resume, overwrite, log=print):
         os.remove(p)
     if stale:
         log(f"removed {len(stale)} file(s) a stopped run left half-written: {' '.join(stale)}")
-    return ckpt_path
 
 def save(out, step, drafter, state):
     """The z-lab export, then ckpt.pt ({"drafter": weights, "step": step, **state}), each
-    replaced atomically. The export first: a run stopped between the two leaves an export at least
-    as new as the checkpoint, and --resume redoes both. A failed write (a full disk) stops the
-    run in one line naming the file, and leaves no half-written file."""
+    replaced atomically; the export first: a run stopped between the two has an export at least as
+    new, and --resume redoes both. A failed write (a full disk) stops in one line, no file left."""
     ckpt_path = os.path.join(out, "ckpt.pt")
     tmp, where = ckpt_path + f".tmp-{os.getpid()}", os.path.join(out, "drafter")
     try:

@@ -1,11 +1,8 @@
 """
-GPU speed-ups that change no number (train.py imports this on a GPU only):
-  fla_configs_at_once()   fla's autotuned kernels compile all their configs at once on a cold
-                          Triton cache, instead of one by one as they are benchmarked
-  launch_bound(fn, ...)   times one call: is the host's queueing, not the GPU, the pace?
-  UpdateGraph, FeatureGraphs   the drafter's update and the target's forward, each timed once
-                          and replayed from CUDA graphs only if launch-bound (a small model's step)
-train.py --no-cuda-graphs turns replays off. bench.py check compares replays with eager runs.
+GPU speed-ups that change no number, imported on a GPU only: fla's autotuned kernels compile all
+their configs at once on a cold Triton cache; the drafter's update (UpdateGraph) and the target's
+forward (FeatureGraphs), each timed once, are replayed from CUDA graphs when launch-bound (a small
+model's step). train.py --no-cuda-graphs: no replays. bench.py check compares replays with eager.
 """
 import os
 import time
@@ -16,12 +13,10 @@ import torch
 from target import Docs, _chunk_list, _fla, positions_from_cu, upload
 
 def fla_configs_at_once():
-    """Triton's autotuner compiles each candidate config of a kernel only as it benchmarks it, one
-    after the other. For each Autotuner instance of fla's modules (found also behind
-    triton.heuristics: Heuristics -> Autotuner -> JITFunction, each .fn the next; not the class, so
-    no other kernel changes), a first run with a new key compiles every config first, together on
-    a thread pool (triton's AsyncCompileMode, triton >= 3.4); then the autotuner benchmarks and
-    picks as before. Returns how many it wrapped."""
+    """Triton's autotuner compiles each config of a kernel only as it benchmarks it. For each
+    Autotuner instance in fla's modules (also behind triton.heuristics; not the class: no other
+    kernel changes), a run with a new key first compiles every config together on a thread pool
+    (triton >= 3.4's AsyncCompileMode), then benchmarks and picks as before. Returns the count."""
     import sys
     from concurrent.futures import ThreadPoolExecutor
     from triton.runtime.autotuner import Autotuner
@@ -84,8 +79,7 @@ def launch_bound(what, fn, *a, log=print):
 class Replay:
     """fn(*buffers) captured as one CUDA graph; replay(*values) copies the values (tensors or
     numbers) into the buffers, replays, and returns the graph's outputs (overwritten by the next
-    replay). Random numbers drawn inside come from the seed set before each replay (torch's
-    graph-safe Philox state), as in an eager call. Nothing in fn may sync with the host."""
+    replay). Random draws use the seed set before each replay (graph-safe Philox), as eagerly."""
     def __init__(self, fn, *buffers):
         self.buffers, self.graph = buffers, torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
@@ -120,21 +114,18 @@ class UpdateGraph:
         return out
 
 class FeatureGraphs:
-    """target.features(ids, cu_seqlens, layer_ids) replayed from CUDA graphs. The kernels' grids
-    depend on a row only through its document count and fla's 64-token chunk count, so there is
-    one graph per such shape; every value (tokens, boundaries, positions, chunk list) is copied
-    into its buffers before a replay. A shape runs eagerly the first time it comes, captured the
-    second (fla's autotuner must have tuned: nothing may sync while capturing). Flash attention
-    gets the row length as the longest document: a bigger grid, the same result. The graphs share
-    one memory pool: a replay's output is copied out before the next. Dense Qwen targets only
-    (the MoE path syncs on toy sizes)."""
+    """target.features(ids, cu_seqlens, layer_ids) from CUDA graphs. The kernels' grids depend on
+    a row only through its document count and fla's 64-token chunk count: one graph per such
+    shape, its values (tokens, boundaries, positions, chunk list) copied in before a replay. A
+    shape runs eagerly the first time, is captured the second (fla's autotuner must have tuned).
+    Flash attention gets the row length as the longest document: a bigger grid, the same result.
+    One shared memory pool: each output is copied out. Dense targets only (MoE syncs)."""
     def __init__(self, target, layer_ids, log=print):
         self.target, self.layer_ids, self.log = target, layer_ids, log
         self.graphs, self.seen, self.pool, self.train_rows, self.bound = {}, set(), None, 0, None
 
     def __call__(self, ids, cu_seqlens, train=True):
-        """The first train row autotunes fla's kernels, the second is timed: replays from then
-        on if it was launch-bound, eager forwards otherwise."""
+        # the first train row autotunes fla's kernels, the second is timed: replays if bound
         if not self.bound:
             self.train_rows += train
             if self.train_rows != 2 or self.bound is not None:

@@ -75,7 +75,6 @@ arg("--save-interval", type=number(int, 1), default=500, help="steps between sav
 either = group.add_mutually_exclusive_group().add_argument
 either("--resume", action="store_true", help="continue OUT/ckpt.pt exactly")
 either("--overwrite", action="store_true", help="start over in an --out that holds a run")
-arg("--wandb", metavar="PROJECT", help="also log to this W&B project (WANDB_MODE, WANDB_NAME)")
 arg = parser.add_argument_group("system").add_argument
 arg("--no-compile", action="store_true", help="eager drafter step (debugging; dense flex bwd)")
 arg("--no-cuda-graphs", action="store_true", help="no CUDA graph replays of launch-bound passes")
@@ -90,8 +89,6 @@ if args.dpace_alpha is not None and args.loss != "dpace":
     parser.error("--dpace-alpha: for --loss dpace only")
 args.epochs = args.epochs or 6
 args.dpace_alpha = 0.5 if args.dpace_alpha is None else args.dpace_alpha
-if args.wandb:
-    import monitor                  # stops here, in one line, without the wandb package
 rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 rank_cache, cache_dirs = checks.rank_caches(args.cache_dir, rank, args.fresh_cache)  # not shared
 checks.explain_stops(rank, args.out, cache_dirs)
@@ -254,7 +251,7 @@ eval_rows = [val_rows.next_row() for _ in range(min(args.eval_rows, val_rows.ste
              ] if val_ds else []
 
 # -----------------------------------------------------------------------------
-# banner, and the log: OUT/log.jsonl (README: Reading the log), the console, W&B (--wandb)
+# banner, and the log: OUT/log.jsonl (README: Reading the log) and the console
 
 infos = [dict(rank=rank, role=role, pair=pair, caches=cache_dirs,
               device=torch.cuda.get_device_name(device) if cuda else "cpu")] * world
@@ -291,10 +288,6 @@ print0(f"anchors: up to {per_doc} per document, {row_anchors} per row ("
        f"{dropped:.1%} of the anchors asked for"
        + ("; raise --row-anchors to keep them" if dropped > 0.05 else ""))
 log_file = open(os.path.join(args.out, "log.jsonl"), "a") if rank == log_rank else None
-wandb = monitor.WandB(args.wandb, dict(
-    vars(args), world=world, pairs=n_pairs, devices=[i["device"] for i in infos], taps=taps,
-    drafter_layout=dcfg.layer_types, drafter_params=n_params, row_capacity=row_anchors,
-    steps=max_steps)) if args.wandb and rank == log_rank else None
 
 def log(record, line):
     # the record first: a step a user saw on screen is on disk too, whatever kills the job next
@@ -302,8 +295,6 @@ def log(record, line):
     if log_file:
         log_file.write(json.dumps(record) + "\n")
         log_file.flush()
-    if wandb:
-        wandb.log(record)
     print0(line)
 
 # =============================================================================
@@ -418,8 +409,6 @@ def save_checkpoint(step):
     checkpoint.save(args.out, step, drafter, dict(optimizer=opt.state_dict(), args=vars(args),
                                                   drafter_config=vars(dcfg), run=run,
                                                   processes=world))
-    if wandb:
-        wandb.saved(os.path.join(args.out, "drafter"))
     print0(f"step {step}: saved {ckpt_path} and {args.out}/drafter/ (z-lab format)")
 
 # =============================================================================
@@ -593,5 +582,3 @@ if world > 1:
     dist.destroy_process_group()
 log(dict(kind="end", step=max_steps),
     f"done: {timedelta(seconds=round(time.perf_counter() - t_launch))} in all")
-if wandb:
-    wandb.finish()
