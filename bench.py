@@ -2,7 +2,7 @@
 GPU checks and measurements (needs CUDA and fla-core; not part of the CPU test suite).
 
   python bench.py check     # fla, CUDA graphs, grouped GEMM, compiled flex == their references
-  python bench.py target [--target qwen3.5-35b-a3b]   # forward ms, MFU, memory (MoE: its block)
+  python bench.py target [--target qwen3.5-35b-a3b]   # the forward: ms, MFU, memory
   python bench.py drafter --anchors 512 [--sliding-window 0]   # train.py's step alone
   python bench.py pair --anchors 512 --budget 8192 --steps 30 [--runs one]   # train.py itself
 """
@@ -177,16 +177,6 @@ elif args.what == "target":
           f"{peak / 1e12:.0f} TFLOP/s), peak mem {torch.cuda.max_memory_allocated() / 2**30:.1f} "
           "GiB" + (f" [FLOPs on active parameters: {tcfg.num_experts_per_tok} of "
                    f"{tcfg.num_experts} experts]" if tcfg.num_experts else ""))
-    if tcfg.num_experts:            # one MoE block over the row, grouped GEMM or not
-        block, x = target.layers[0].mlp, torch.randn(T, tcfg.hidden_size, device=dev, dtype=bf16)
-        grouped = bench_ms(lambda: block(x), 10)
-        with per_expert():
-            one_by_one = bench_ms(lambda: block(x), 10)
-        for name, ms in (("grouped GEMM (torch._grouped_mm)", grouped),
-                         ("one matmul per expert", one_by_one)):
-            print(f"  MoE block, {T} tokens, {name}: {ms:.2f} ms, "
-                  f"{2 * T * target_module.active_params(block) / ms / 1e9:.0f} TFLOP/s "
-                  f"(x {len(target.layers)} layers)")
 
 elif args.what == "drafter":
     # train.py's drafter step alone at one shape: compiled forward, backward, clip, fused AdamW

@@ -136,9 +136,9 @@ class Writer:
             f.close()
         shutil.rmtree(self.tmp, ignore_errors=True)
 
-def write_dataset(out_dir, samples, vocab_size=None, force=False):
-    """Write an iterable of (ids, mask) arrays to out_dir atomically; returns meta. vocab_size, when
-    given, is checked against every id and recorded; otherwise the vocab bound is max id + 1."""
+def write_dataset(out_dir, samples, vocab_size=None, force=False, **extra):
+    """Write an iterable of (ids, mask) arrays to out_dir atomically; returns meta (with extra).
+    vocab_size, when given, is checked against every id; otherwise the bound is max id + 1."""
     w = Writer(out_dir, vocab_size, force)
     try:
         for ids, mask in samples:
@@ -146,7 +146,7 @@ def write_dataset(out_dir, samples, vocab_size=None, force=False):
     except BaseException:  # includes KeyboardInterrupt: never leave a half-written directory behind
         w.abort()
         raise
-    return w.commit()
+    return w.commit(**extra)
 
 # -----------------------------------------------------------------------------
 # reading: memory-mapped and checked on open
@@ -341,31 +341,20 @@ def make_demo(out_dir, samples=384, val_samples=32, new_tokens=48, seed=0, force
     model = Target.build(cfg)
     prompts = [torch.from_numpy(rng.integers(1, cfg.vocab_size, rng.integers(8, 25)))
                for _ in range(n)]
-    target = model.eval()
     # decoded in lockstep with the target's caches (Target.greedy) on the CPU in fp32, whatever
-    # device trains: the same demo everywhere. Chunks bound the caches; one thread: this small a
-    # target's ops only pay a second thread's sync overhead
-    chunk, writers, threads = 4096, [], torch.get_num_threads()
+    # device trains: the same demo everywhere; one thread: this small a target's ops only pay a
+    # second thread's sync overhead
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        for s in ("train", "val"):
-            writers.append(Writer(os.path.join(out_dir, s), cfg.vocab_size, force))
-        for c in range(0, n, chunk):
-            seqs = target.greedy(prompts[c:c + chunk], new_tokens)
-            for j, d in enumerate(seqs, c):
-                P = len(prompts[j])
-                writers[j >= samples].add(d[:P + new_tokens].numpy(),
-                                          np.arange(P + new_tokens) >= P)
-            log(f"demo: {min(c + chunk, n)}/{n} samples, {time.time() - t0:.1f}s")
-        metas = [w.commit(source=want) for w in writers]
-        log(f"demo: wrote {out_dir}: {metas[0]['n_samples']} + {metas[1]['n_samples']} samples "
-            f"(train + val), {time.time() - t0:.1f}s")
-    except BaseException:
-        for w in writers:
-            w.abort()
-        raise
+        seqs = model.eval().greedy(prompts, new_tokens)
     finally:
         torch.set_num_threads(threads)
+    rows = [(s[:len(p) + new_tokens].numpy(), np.arange(len(p) + new_tokens) >= len(p))
+            for s, p in zip(seqs, prompts)]
+    for split, part in (("train", rows[:samples]), ("val", rows[samples:])):
+        m = write_dataset(os.path.join(out_dir, split), part, cfg.vocab_size, force, source=want)
+        log(f"demo: wrote {out_dir}/{split}: {m['n_samples']} samples, {time.time() - t0:.1f}s")
     return out_dir
 
 def summary(out, metas, t0, log):
