@@ -20,8 +20,7 @@ import numpy as np
 import torch
 import checks
 import speedups
-import target as target_module
-from target import Target, TargetConfig, positions_from_cu
+from target import Target, TargetConfig, _chunk_indices, per_expert_linear, positions_from_cu
 from model import Drafter, DrafterConfig, drafter_loss, drafter_step, flex_kernel_options
 from model import sample_anchors
 
@@ -39,26 +38,21 @@ arg("--timeout", type=float, default=600, help="pair: seconds allowed for each t
 arg("--runs", choices=["one", "pair", "one,pair"], metavar="one|pair|one,pair",
     help="pair: train.py on 1 GPU (both roles), on 2 (a pair), or both (default with 2 GPUs)")
 arg("--out", default=os.path.join(tempfile.gettempdir(), "dflash-bench"), help="scratch dir")
-args = p.parse_args()
-dev, bf16 = torch.device("cuda"), torch.bfloat16
+args, dev, bf16 = p.parse_args(), torch.device("cuda"), torch.bfloat16
 TRAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")
 tcfg = TargetConfig.preset(args.target)
 dcfg = DrafterConfig.from_target(tcfg, num_hidden_layers=args.drafter_layers,
                                  sliding_window=args.sliding_window)
-# the MoE blocks run one matmul per expert (host sync for the split) instead of the grouped GEMM
-per_expert = lambda: mock.patch("target.expert_linear", target_module.per_expert_linear)
 
 def timed(fn):
-    # ms of fn() from an idle GPU until the GPU is done
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     fn()
     torch.cuda.synchronize()
     return (time.perf_counter() - t0) * 1e3
 
-def bench_ms(fn, iters=5):
-    timed(fn)                   # warm: compiles, autotunes
-    return float(np.median([timed(fn) for _ in range(iters)]))
+def bench_ms(fn, iters=5):   # the median of `iters` runs after a warm one (compiles, autotunes)
+    return float(np.median([timed(fn) for _ in range(iters + 1)][1:]))
 
 def matmul_peak():
     # the ceiling MFU is measured against: a large bf16 GEMM on random data, this card, now
@@ -76,8 +70,7 @@ def drafter_flops(drafter, S, N, doc, pos, loss_mask):
     # train.py's step at S tokens and N anchor slots, with the (query, key) pairs its masks let
     # through: with full attention an anchor's B rows see its document's past (pos[anchor] keys)
     # and its block (B); with window W the row at position q sees min(q+1, W) (context, block)
-    anchors, keep = sample_anchors(loss_mask, doc, S, N)[:2]
-    B = dcfg.block_size
+    anchors, keep, B = *sample_anchors(loss_mask, doc, S, N)[:2], dcfg.block_size
     q = pos[anchors][:, None] + torch.arange(B, device=dev)             # [N, B] query positions
     full = (pos[anchors][:, None] + B).expand(-1, B)
     visible = {kind: (((q + 1).clamp(max=w) if w else full) * keep[:, None]).sum().item()
@@ -115,7 +108,7 @@ if args.what == "check":
         "an autotuned kernel of the target's forward did not compile its configs at once")
     # the varlen chunk list the target hands fla (made on the host) is fla's own
     from fla.ops.utils import prepare_chunk_indices
-    assert torch.equal(target_module._chunk_indices(tuple(cu.tolist()), dev),
+    assert torch.equal(_chunk_indices(tuple(cu.tolist()), dev),
                        prepare_chunk_indices(cu.to(dev), 64)), "chunk indices differ from fla's"
     # rows of one shape (documents, 64-token chunks), other boundaries: CUDA graph replays == eager.
     # Forced: whether this toy is launch-bound depends on the host; the check must not
@@ -134,7 +127,7 @@ if args.what == "check":
     block = Target.build(a3b, device=dev, dtype=bf16, n_layers=1, head=False).layers[0].mlp
     x = torch.randn(8192, a3b.hidden_size, device=dev, dtype=bf16)
     out = block(x)
-    with per_expert():
+    with mock.patch("target.expert_linear", per_expert_linear):  # host sync for the split
         err = rel(out, block(x))
     print(f"35B-A3B MoE block, 8192 tokens: grouped GEMM vs one matmul per expert (bf16): "
           f"rel err {err:.2e}")
@@ -179,10 +172,8 @@ elif args.what == "target":
                    f"{tcfg.num_experts} experts]" if tcfg.num_experts else ""))
 
 elif args.what == "drafter":
-    # train.py's drafter step alone at one shape: compiled forward, backward, clip, fused AdamW
     peak, N, S = matmul_peak(), args.anchors, args.budget
-    tgt = Target.build(tcfg, device=dev, dtype=bf16, n_layers=0)   # embed, final norm, lm_head
-    d = Drafter(dcfg).to(dev)
+    tgt, d = Target.build(tcfg, device=dev, dtype=bf16, n_layers=0), Drafter(dcfg).to(dev)
     opt = torch.optim.AdamW(d.parameters(), lr=6e-4, weight_decay=0.0, fused=True)
     _, doc, pos = packed_row(S, 4)
     row = dict(tokens=torch.randint(0, tcfg.vocab_size, (S,), device=dev), doc=doc, pos=pos,
@@ -219,7 +210,6 @@ elif args.what == "drafter":
           f"{seen if fused else f'NOT SEEN ({seen})'} |\nflex kernels at {N}x{S}: {split}")
 
 elif args.what == "pair":
-    # synthetic data, written once: documents of 1-3K tokens, loss on the second half of each
     data, S = os.path.join(args.out, "data-short"), args.budget
     if not os.path.exists(os.path.join(data, "train", "meta.json")):
         from data import write_dataset
@@ -252,8 +242,7 @@ elif args.what == "pair":
             path) else []
         if lines:   # steady state: the last full log window after the one that compiled
             recs[name] = lines[-2] if len(lines) > 2 else lines[-1]
-    peak = matmul_peak()
-    n_run = max(dcfg.target_layer_ids) + 1
+    peak, n_run = matmul_peak(), max(dcfg.target_layer_ids) + 1
     with torch.device("meta"):
         tmeta, dmeta = Target(tcfg, n_layers=n_run, head=False), Drafter(dcfg)
     cu, doc, pos = packed_row(S, max(2, S // 2048))
@@ -266,12 +255,10 @@ elif args.what == "pair":
         fl_d = drafter_flops(dmeta, S, r["row_anchors"], doc, pos, torch.ones(S, device=dev))
         mfu_t = tmeta.flops(cu, n_run) / (r["ms_target"] * 1e-3) / peak
         print(f"| {name}: step | {r['ms_step']:.0f} ms: {r['tok_s']:.0f} context tok/s, "
-              f"{r['blocks_s']:.0f} supervised blocks/s |\n"
-              f"| {name}: target fwd / drafter wait / drafter step | {r['ms_target']:.0f} "
-              f"(MFU {mfu_t:.0%}) / {r['ms_wait']:.0f} / {r['ms_drafter']:.0f} ms (MFU "
-              f"{fl_d / (r['ms_drafter'] * 1e-3) / peak:.0%}) |\n"
+              f"{r['blocks_s']:.0f} supervised blocks/s |\n| {name}: target fwd / drafter wait / "
+              f"drafter step | {r['ms_target']:.0f} (MFU {mfu_t:.0%}) / {r['ms_wait']:.0f} / "
+              f"{r['ms_drafter']:.0f} ms (MFU {fl_d / (r['ms_drafter'] * 1e-3) / peak:.0%}) |\n"
               f"| {name}: busy target GPU / drafter GPU | {r['busy_target']:.0%} / "
-              f"{r['busy_drafter']:.0%} |\n"
-              f"| {name}: peak memory per GPU | {' / '.join(f'{m:.1f}' for m in r['mem_gib'])} "
-              f"GiB |\n| {name}: compiled graphs on the drafter rank (train and eval) | "
-              f"{r.get('graphs')} |")
+              f"{r['busy_drafter']:.0%} |\n| {name}: peak memory per GPU | "
+              f"{' / '.join(f'{m:.1f}' for m in r['mem_gib'])} GiB |\n| {name}: compiled graphs "
+              f"on the drafter rank (train and eval) | {r.get('graphs')} |")

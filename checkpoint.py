@@ -1,7 +1,6 @@
 """
-The run directory (train.py --out) and its checkpoints: one run at a time (OUT/lock), no finished
-run replaced by accident, atomic saves (OUT/ckpt.pt and the z-lab export OUT/drafter/), and
---resume exactly where the run stopped, or refused in one line that names what changed.
+train.py --out: one run at a time (OUT/lock), none replaced by accident, atomic saves (OUT/ckpt.pt,
+the z-lab export OUT/drafter/), --resume where the run stopped, or refused in one line naming why.
 """
 import errno
 import fcntl
@@ -14,13 +13,11 @@ import torch
 from safetensors import SafetensorError
 
 def claim(out, resume, overwrite, log=print):
-    # OUT for this process: its lock (the OS drops it when the process dies), --overwrite's
-    # deletions, and what a stopped run left half-written removed
     ckpt_path = os.path.join(out, "ckpt.pt")
     try:
         os.makedirs(out, exist_ok=True)
         claim.lock = lock = open(os.path.join(out, "lock"), "a+")
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)   # the OS drops it when the process dies
     except BlockingIOError:
         lock.seek(0)
         sys.exit(f"error: --out {out} is in use: pid {lock.read().strip() or '?'} holds "
@@ -30,9 +27,8 @@ def claim(out, resume, overwrite, log=print):
             sys.exit(f"error: --out {out}: {e}")
     lock.truncate(0), lock.write(f"{os.getpid()}\n"), lock.flush()
     if overwrite:
-        for p in (ckpt_path, os.path.join(out, "log.jsonl")):
-            if os.path.exists(p):
-                os.remove(p)
+        for p in filter(os.path.exists, (ckpt_path, os.path.join(out, "log.jsonl"))):
+            os.remove(p)
         shutil.rmtree(os.path.join(out, "drafter"), ignore_errors=True)
     elif not resume and os.path.exists(ckpt_path):
         sys.exit(f"error: --out {out} holds a run ({ckpt_path}); continue it with --resume, "
@@ -46,19 +42,16 @@ def claim(out, resume, overwrite, log=print):
         log(f"removed {len(stale)} file(s) a stopped run left half-written: {' '.join(stale)}")
 
 def save(out, step, drafter, state):
-    """The z-lab export, then ckpt.pt ({"drafter": weights, "step": step, **state}), each
-    replaced atomically; the export first: a run stopped between the two has an export at least as
-    new, and --resume redoes both. A failed write (a full disk) stops in one line, no file left."""
-    ckpt_path = os.path.join(out, "ckpt.pt")
-    tmp, where = ckpt_path + f".tmp-{os.getpid()}", os.path.join(out, "drafter")
+    """The z-lab export, then ckpt.pt: a run stopped between the two has an export as new or newer;
+    --resume redoes both. A failed write (a full disk) stops in one line, leaving no file."""
+    tmp, where = os.path.join(out, f"ckpt.pt.tmp-{os.getpid()}"), os.path.join(out, "drafter")
     try:
         drafter.save_pretrained(where, step=step)
         where = tmp
-        # through a Python file: a failed write carries its errno (torch.save(path) says only
-        # "unexpected pos")
+        # a Python file: a failed write carries its errno (torch.save(path) says "unexpected pos")
         with open(tmp, "wb") as f:
             torch.save(dict(drafter=drafter.state_dict(), step=step, **state), f)
-        os.replace(tmp, ckpt_path)      # atomic: a crash mid-write keeps the previous checkpoint
+        os.replace(tmp, os.path.join(out, "ckpt.pt"))  # atomic: a crash mid-write keeps the old
     except (OSError, RuntimeError, SafetensorError) as e:
         err = e.__context__ if isinstance(e, RuntimeError) else e
         if not isinstance(err, (OSError, SafetensorError)):
@@ -69,26 +62,21 @@ def save(out, step, drafter, state):
                  f"or fix permissions, then continue with --resume --out {out}")
 
 def identity(args, pairs, data_meta, row_anchors, dcfg, tcfg):
-    """What defines a run, saved with its checkpoints: a different value would train another
-    drafter or other rows (rows are dealt to pairs), so --resume refuses it. Anything else may
-    change and is reported (a new --max-steps: the lr schedule of the new length, from here on)."""
+    """What defines a run: another value trains another drafter or other rows (rows are dealt to
+    pairs), so --resume refuses it; the rest may change, reported (--max-steps: a new schedule)."""
     run = {"pairs": pairs, "--data": {k: data_meta.get(k) for k in
                                       ("n_samples", "n_tokens", "n_supervised", "vocab_size")},
            "--seed": args.seed, "--budget": args.budget, "--anchors": args.anchors,
            "--row-anchors": row_anchors, "--block-size": args.block_size, "--gamma": args.gamma,
            "--drafter-layers": dcfg.num_hidden_layers, "--n-feat": len(dcfg.target_layer_ids),
-           "--sliding-window": max(dcfg.windows().values()),
-           "--mask-token-id": dcfg.mask_token_id, "drafter config": vars(dcfg),
-           "target config": vars(tcfg)}
+           "--sliding-window": max(dcfg.windows().values()), "--mask-token-id": dcfg.mask_token_id,
+           "drafter config": vars(dcfg), "target config": vars(tcfg)}
     if args.loss != "dflash":      # (absent from dflash runs: their older checkpoints still resume)
         run.update({"--loss": args.loss, "--dpace-alpha": args.dpace_alpha})
     return run
 
 def load(ckpt_path, run, device, max_steps, drafter, opt, args, world):
-    """--resume: loads the drafter and optimizer state of the checkpoint, if it was saved by this
-    run: every key of `run` (identity()) equal, its step within max_steps. Else one line naming
-    the key, both values and the way on. Returns (the step, {flag or "processes": [then, now]} of
-    what changed)."""
+    """--resume from ckpt_path if this run saved it: returns (step, {what changed: [then, now]})."""
     unreadable = (f"error: {ckpt_path} is not a readable checkpoint of this run; delete it to "
                   "start over, or point --out at the right run")
     if not os.path.exists(ckpt_path):
@@ -115,8 +103,7 @@ def load(ckpt_path, run, device, max_steps, drafter, opt, args, world):
         sys.exit(f"error: --resume: the checkpoint is at step {step}, past this run's "
                  f"{max_steps} steps; raise --max-steps (or --epochs), or start a new --out")
     try:
-        drafter.load_state_dict(ckpt["drafter"])
-        opt.load_state_dict(ckpt["optimizer"])
+        drafter.load_state_dict(ckpt["drafter"]), opt.load_state_dict(ckpt["optimizer"])
     except Exception as e:
         sys.exit(f"{unreadable} ({type(e).__name__}: {e})")
     changed = {f"--{k.replace('_', '-')}": [v, args.get(k)] for k, v in ckpt["args"].items()

@@ -1,11 +1,9 @@
 """
 train.py's guards against a run that fails silently or obscurely: per-rank compile caches (ranks
-sharing one race on it; a cache on NFS corrupts: pytorch#173679, triton#2688), a stop that says
-how to go on, data and flags checked at start, and flex_attention checked twice: compiled flex ==
-dense SDPA before the first update (SelfCheck), its fused backward seen in the first warm step
-(fused_backward). Outside a compiled graph, or past the recompile limit, flex silently runs a
-dense backward that holds every layer's [heads, queries, keys] scores (~17 GB per layer at 512
-anchors / 8192 budget); a torch whose flex backward is wrong trains on wrong gradients.
+sharing one race on it; a cache on NFS corrupts: pytorch#173679, triton#2688), a stop that says how
+to go on, data and flags checked at start, flex_attention checked twice (SelfCheck, fused_backward):
+a torch with a wrong flex trains on wrong gradients; outside a compiled graph or past the recompile
+limit, flex silently runs a dense backward holding every layer's [heads, queries, keys] scores.
 """
 import contextlib
 import getpass
@@ -24,22 +22,16 @@ import torch
 from model import SLIDING, DrafterConfig, block_lists, flex_kernel_options, row_attention
 
 def rank_caches(root, rank, fresh=False):
-    # this rank's cache dir and its Triton and Inductor caches (unless the user set them), set
-    # before anything compiles; fresh: emptied
+    # this rank's cache dir, its Triton and Inductor caches (unless set): before anything compiles
     root = root or os.path.join(tempfile.gettempdir(), f"dflash-cache-{getpass.getuser()}")
     rank_cache = os.path.join(root, f"rank{rank}")
-    os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(rank_cache, "triton"))
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(rank_cache, "inductor"))
-    dirs = [os.environ["TRITON_CACHE_DIR"], os.environ["TORCHINDUCTOR_CACHE_DIR"]]
-    for d in dirs if fresh else []:
-        if os.path.isdir(d):
-            shutil.rmtree(d)
-        elif os.path.exists(d):
-            os.remove(d)
+    dirs = [os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(rank_cache, "triton")),
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(rank_cache, "inductor"))]
+    for d in (d for d in dirs if fresh and os.path.exists(d)):    # lazily: one may hold the other
+        shutil.rmtree(d) if os.path.isdir(d) else os.remove(d)
     return rank_cache, dirs
 
 def explain_stops(rank, out, cache_dirs):
-    # a rank stopped by a peer or an error says why, and how to go on
     go_on = f"continue from the last checkpoint with --resume --out {out}"
 
     def on_sigterm(signum, frame):
@@ -58,8 +50,7 @@ def explain_stops(rank, out, cache_dirs):
     sys.excepthook = on_error
 
 def start(args, data_dir, ds, demand, lost, tcfg, dcfg):
-    """What train.py checks before it loads a model: the data teaches something the target can
-    read, the flags fit the target. Else one line naming the flag or file and the fix."""
+    """Before train.py loads a model: the data teaches what the target can read, flags fit it."""
     taps, budget = dcfg.target_layer_ids, args.budget
     nothing = ("its loss mask is all zero; check the loss_mask of its input lines"
                if ds.n_supervised == 0 else f"all its supervised tokens lie past --budget {budget} "
@@ -103,13 +94,10 @@ def init_drafter(args, d, dcfg, tcfg):
 
 @contextlib.contextmanager
 def fused_backward(kinds):
-    """Around one train step after the compiling one (around the compile the profiler would also
-    record every autotuning kernel): raises unless inductor's fused flex backward template
-    (triton_tem_fused_flex_attention_backward_*) ran for each of the `kinds` masks (each mask_mod
-    compiles its own). Yields a list that then holds the flex backward kernels seen."""
-    seen = []
-    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA],
-                                  acc_events=True)   # torch <= 2.12 warns without it (#180387)
+    """Around a train step after the compiling one (around the compile the profiler would also
+    record every autotuning kernel): raises unless a fused flex backward ran for each mask kind."""
+    seen, prof = [], torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA],
+                                            acc_events=True)  # else torch <= 2.12 warns (#180387)
     with warnings.catch_warnings():
         # a CUDA-only profiler cannot match host op events to kernels; only kernel names are read
         warnings.filterwarnings("ignore", message="Failed to recover relationship")
@@ -123,20 +111,16 @@ def fused_backward(kinds):
                            "on the dense fallback (~17 GB per layer at 512 anchors / 8192 budget)")
 
 def flex_matches_dense(config, device, kernel_options=None, candidate=None):
-    """Compiled flex_attention with THE mask of each layer kind of config, built as the step
-    builds it, against the dense mask + SDPA (fp32, no TF32), on a 512-token row of 3 documents
-    with anchors at document starts and padded slots (the window cut to 100 so that it binds):
-    outputs and q, k, v gradients of a random linear loss. candidate(config, anchors, keep, doc,
-    S) -> {kind: attend} replaces compiled flex (tests on CPU). The RNG and dynamo's graph count
-    are left as found. Returns (output rel err, max gradient rel err, seconds)."""
-    t0 = time.perf_counter()
-    S, N, lens = 512, 24, (150, 230, 132)
-    window = min(config.sliding_window, 100) if SLIDING in config.layer_types else None
-    c = DrafterConfig(num_attention_heads=config.num_attention_heads,
-                      num_key_value_heads=config.num_key_value_heads, head_dim=config.head_dim,
-                      block_size=config.block_size, num_hidden_layers=len(config.windows()),
-                      layer_types=list(config.windows()), sliding_window=window)
-    kinds, Q, KV = list(c.windows()), N * c.block_size, S + N * c.block_size
+    """Compiled flex_attention with THE mask of each layer kind, built as the step builds it, vs
+    dense SDPA (fp32, no TF32): outputs and q, k, v gradients of a random linear loss, a 512-token
+    row of 3 documents, anchors at their starts and padded slots (window cut to 100 so it binds).
+    candidate(config, anchors, keep, doc, S) -> {kind: attend} replaces compiled flex (tests)."""
+    t0, S, N, lens = time.perf_counter(), 512, 24, (150, 230, 132)
+    H, KVH, kinds = config.num_attention_heads, config.num_key_value_heads, list(config.windows())
+    c = DrafterConfig(num_attention_heads=H, num_key_value_heads=KVH, head_dim=config.head_dim,
+                      block_size=config.block_size, num_hidden_layers=len(kinds), layer_types=kinds,
+                      sliding_window=min(config.sliding_window, 100) if SLIDING in kinds else None)
+    Q, KV = N * c.block_size, S + N * c.block_size
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     with torch.random.fork_rng(devices=[device] if torch.device(device).type == "cuda" else []):
@@ -149,16 +133,13 @@ def flex_matches_dense(config, device, kernel_options=None, candidate=None):
         anchors[:-2] = anchors[:-2].sort().values
         keep = torch.arange(N, device=device) < N - 2        # 2 padded slots, as sample_anchors'
         # per kind: q [1, heads, Q, hd], k and v [1, kv heads, KV, hd], the loss weights of o
-        shapes = [(c.num_attention_heads, Q), (c.num_key_value_heads, KV),
-                  (c.num_key_value_heads, KV), (c.num_attention_heads, Q)]
-        data = {kind: [torch.randn(1, h, n, c.head_dim, device=device) for h, n in shapes]
-                for kind in kinds}
+        data = {kind: [torch.randn(1, h, n, c.head_dim, device=device)
+                       for h, n in ((H, Q), (KVH, KV), (KVH, KV), (H, Q))] for kind in kinds}
         apply = lambda attend: lambda qkv: {kind: attend[kind](*qkv[kind]) for kind in kinds}
         if candidate is None:   # only attention compiled: the whole step compiled was slower
-            blocks = block_lists(c, anchors, keep, doc, S)
-            step = torch.compile(lambda qkv, anchors, keep, doc, blocks: apply(row_attention(
-                c, anchors, keep, doc, S, kernel_options or {}, blocks))(qkv), fullgraph=True,
-                dynamic=False)
+            blocks, step = block_lists(c, anchors, keep, doc, S), torch.compile(
+                lambda qkv, anchors, keep, doc, blocks: apply(row_attention(c, anchors, keep, doc,
+                S, kernel_options or {}, blocks))(qkv), fullgraph=True, dynamic=False)
             flex = lambda qkv: step(qkv, anchors, keep, doc, blocks)
         else:
             flex = apply(candidate(c, anchors, keep, doc, S))
@@ -166,8 +147,7 @@ def flex_matches_dense(config, device, kernel_options=None, candidate=None):
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
         try:
             for run in (dense, flex):
-                qkv = {kind: [t.clone().requires_grad_() for t in data[kind][:3]]
-                       for kind in kinds}
+                qkv = {k: [t.clone().requires_grad_() for t in data[k][:3]] for k in kinds}
                 out = run(qkv)
                 sum((out[kind] * data[kind][3]).sum() for kind in kinds).backward()
                 results.append([t.detach().double() for kind in kinds
@@ -177,14 +157,12 @@ def flex_matches_dense(config, device, kernel_options=None, candidate=None):
             torch._dynamo.reset()                    # the check's graph is none of the caller's
             torch._dynamo.utils.counters["stats"]["unique_graphs"] = graphs
     rel = [((a - b).norm() / b.norm().clamp(min=1e-30)).item() for a, b in zip(*results[::-1])]
-    # per kind: output, dq, dk, dv
+    # per kind: output, dq, dk, dv -> (output rel err, max grad rel err, seconds)
     return max(rel[0::4]), max(r for i, r in enumerate(rel) if i % 4), time.perf_counter() - t0
 
 class SelfCheck:
-    """flex_matches_dense of `config` in a second process with caches of its own under `cache`,
-    at a lower CPU priority: its compile hides behind the run's start-up; not run at all when
-    given a `skip` reason. join() before the first update: a failure stops the run with one line;
-    returns the status line."""
+    """flex_matches_dense of `config` in a second process (own caches under `cache`, lower CPU
+    priority): its compile hides behind the start-up; `skip`: a reason not to run it."""
     def __init__(self, config, device, cache, skip=None):
         self.process, self.status, self.config = None, f"skipped ({skip})", config
         if skip:
@@ -192,9 +170,8 @@ class SelfCheck:
         self.log = tempfile.TemporaryFile(mode="w+")
         env = dict(os.environ, TRITON_CACHE_DIR=os.path.join(cache, "self-check", "triton"),
                    TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "self-check", "inductor"))
-        self.process = subprocess.Popen([sys.executable, os.path.abspath(__file__),
-                                         json.dumps(vars(config)), str(device)],
-                                        env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        argv = [sys.executable, os.path.abspath(__file__), json.dumps(vars(config)), str(device)]
+        self.process = subprocess.Popen(argv, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         os.setpriority(os.PRIO_PROCESS, self.process.pid, 10)
         self.status = f"in a second process (pid {self.process.pid}), joined before training"
 
@@ -216,7 +193,6 @@ class SelfCheck:
         return self.status
 
 if __name__ == "__main__":      # SelfCheck's second process: its result is the last line
-    device = torch.device(sys.argv[2])
+    config, device = DrafterConfig(**json.loads(sys.argv[1])), torch.device(sys.argv[2])
     torch.cuda.set_device(device)
-    print(json.dumps(flex_matches_dense(DrafterConfig(**json.loads(sys.argv[1])), device,
-                                        flex_kernel_options(device))))
+    print(json.dumps(flex_matches_dense(config, device, flex_kernel_options(device))))

@@ -1,15 +1,13 @@
 """
-The drafter's training data on disk, the packer that turns its samples into the fixed-size rows
-train.py trains on, the demo dataset (train.py builds it on first use), and the command-line
-helpers of every command. The real data: regenerate.py (the target's own answers), then
-prepare.py (rendered with the checkpoint's chat template, masked, tokenized).
+The drafter's training data on disk, the packer of its samples into train.py's fixed-size rows, the
+demo dataset (train.py builds it on first use) and the commands' argparse helpers. The real data:
+regenerate.py (the target's own answers), then prepare.py (chat template, loss mask, tokenized).
 
 A dataset is a directory of flat arrays, memory-mapped on open so a 100 GB corpus costs no RAM:
     tokens.bin     uint32 [n_tokens]       all samples back to back (uint32: vocabs exceed 65535)
     loss_mask.bin  uint8  [n_tokens]       1 where the drafter is trained to predict that token
     offsets.bin    int64  [n_samples + 1]  sample i is tokens[offsets[i]:offsets[i+1]]
-    meta.json      version, vocab bound and counts; written last and renamed into place with the
-                   rest, so a directory that has it is complete
+    meta.json      version, vocab bound and counts; written last: a directory with it is complete
 prepare.py and the demo write DIR/train and (with a held-out split) DIR/val.
 """
 import argparse
@@ -76,8 +74,7 @@ def kwargs_arg(s):
 # writing: stream samples into DIR.tmp-<pid>, then rename to DIR in one step
 
 class Writer:
-    """A dataset being written: add(ids, mask) per sample, then commit(**meta) to rename it into
-    place, or abort()."""
+    """A dataset being written: add(ids, mask) per sample, then commit(**meta) or abort()."""
     def __init__(self, out_dir, vocab_size=None, force=False):
         if os.path.exists(out_dir) and not force:
             raise DataError(f"{out_dir} already exists; pass --force (force=True) to overwrite it")
@@ -89,12 +86,10 @@ class Writer:
         self.f = {k: open(os.path.join(self.tmp, k), "wb")
                   for k in ("tokens.bin", "loss_mask.bin", "offsets.bin")}
         self.f["offsets.bin"].write(np.zeros(1, "<i8").tobytes())
-        self.n = self.n_tokens = self.n_supervised = 0
-        self.max_id = -1
+        self.n, self.n_tokens, self.n_supervised, self.max_id = 0, 0, 0, -1
 
     def add(self, ids, mask):
-        ids, mask = np.asarray(ids), np.asarray(mask)
-        bound = self.vocab_size or 2**32
+        ids, mask, bound = np.asarray(ids), np.asarray(mask), self.vocab_size or 2**32
         if ids.ndim != 1 or ids.shape != mask.shape or len(ids) == 0:
             raise DataError(f"sample {self.n}: ids and mask must be 1-D, non-empty, "
                             f"of equal length; got shapes {ids.shape}, {mask.shape}")
@@ -122,13 +117,12 @@ class Writer:
         with open(os.path.join(self.tmp, "meta.json"), "w") as f:
             json.dump(meta, f, indent=1)
         # --force: move the old one aside first, so there is never a half state
-        if os.path.exists(self.out):
-            old = f"{os.path.normpath(self.out)}.old-{os.getpid()}"
+        old = os.path.exists(self.out) and f"{os.path.normpath(self.out)}.old-{os.getpid()}"
+        if old:
             os.rename(self.out, old)
-            os.rename(self.tmp, self.out)
+        os.rename(self.tmp, self.out)
+        if old:
             shutil.rmtree(old)
-        else:
-            os.rename(self.tmp, self.out)
         return meta
 
     def abort(self):
@@ -226,10 +220,9 @@ class Row(NamedTuple):
 
 class Packer:
     """Per epoch: a seeded shuffle of the samples, packed next-fit in that order into rows; row r
-    goes to shard r % n_shards. The plan needs only lengths, so every shard computes the same one
-    and all agree on steps_per_epoch (which can differ by a row between epochs). A sample longer
-    than budget keeps its first `budget` tokens: `truncated`, `truncated_tokens` and
-    truncated_supervised() count what that loses per epoch."""
+    goes to shard r % n_shards. The plan needs only lengths: every shard makes the same one and
+    agrees on steps_per_epoch (which can differ by a row between epochs). A sample past budget keeps
+    its first `budget` tokens (per epoch: truncated, truncated_tokens, truncated_supervised())."""
 
     def __init__(self, dataset, budget, n_shards=1, shard=0, seed=0, shuffle=True):
         assert 0 <= shard < n_shards and budget > 0, (shard, n_shards, budget)
@@ -261,25 +254,21 @@ class Packer:
         self._planned = (self.epoch, self.seed)
 
     def truncated_supervised(self):
-        """Supervised tokens past `budget` in their sample, per epoch: what truncation costs the
-        loss (reads only the truncated samples' tails)."""
-        ds, lost = self.ds, 0
-        for i in np.flatnonzero(ds.lengths > self.budget).tolist():
-            lost += int(ds.loss_mask[ds.offsets[i] + self.budget:ds.offsets[i + 1]].sum())
-        return lost
+        """Supervised tokens past `budget` in their sample, per epoch (reads only those tails)."""
+        ds = self.ds
+        return sum(int(ds.loss_mask[ds.offsets[i] + self.budget:ds.offsets[i + 1]].sum())
+                   for i in np.flatnonzero(ds.lengths > self.budget).tolist())
 
     def next_row(self):
         if self.step >= self.steps_per_epoch:
             self.epoch, self.step = self.epoch + 1, 0
             self._plan()
-        r = self.shard + self.step * self.n_shards
-        self.step += 1
+        r, self.step = self.shard + self.step * self.n_shards, self.step + 1
         idx = (self._order[self._starts[r]:self._starts[r + 1]] if r + 1 < len(self._starts)
                else self._order[:0])
         budget = self.budget
         tokens, mask = np.zeros(budget, np.int64), np.zeros(budget, np.uint8)
-        doc, pos = np.empty(budget, np.int32), np.empty(budget, np.int64)
-        cu, p = [0], 0
+        doc, pos, cu, p = np.empty(budget, np.int32), np.empty(budget, np.int64), [0], 0
         for d, i in enumerate(idx.tolist()):
             a, l = int(self.ds.offsets[i]), int(self._len[i])
             tokens[p:p + l], mask[p:p + l] = self.ds.tokens[a:a + l], self.ds.loss_mask[a:a + l]
@@ -321,10 +310,9 @@ def cut_at_eos(ans, eos=0):
     return ans[:hit[0] + 1] if len(hit) else ans
 
 def make_demo(out_dir, samples=384, val_samples=32, new_tokens=48, seed=0, force=False, log=print):
-    """Random prompts of 8-24 tokens, each continued greedily for new_tokens by target.py's `tiny`
-    target (seeded by tensor name: train.py's own), loss mask on the continuation: the target's
-    own output, as DFlash trains, so the acceptance proxy is real acceptance against it. `seed`
-    picks the prompts. A directory that already holds this exact demo is reused."""
+    """Random prompts of 8-24 tokens (`seed`) continued greedily for new_tokens by target.py's
+    `tiny` target (train.py's own), loss mask on the continuation: the target's own output, as
+    DFlash trains, so the acceptance proxy is real acceptance against it. Reused if already made."""
     want = dict(demo="tiny", samples=samples, val_samples=val_samples, new_tokens=new_tokens,
                 seed=seed)
     try:
@@ -341,9 +329,8 @@ def make_demo(out_dir, samples=384, val_samples=32, new_tokens=48, seed=0, force
     model = Target.build(cfg)
     prompts = [torch.from_numpy(rng.integers(1, cfg.vocab_size, rng.integers(8, 25)))
                for _ in range(n)]
-    # decoded in lockstep with the target's caches (Target.greedy) on the CPU in fp32, whatever
-    # device trains: the same demo everywhere; one thread: this small a target's ops only pay a
-    # second thread's sync overhead
+    # decoded (Target.greedy) on the CPU in fp32 whatever device trains: the same demo everywhere;
+    # in one thread: this small a target's ops only pay a second thread's sync overhead
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -358,7 +345,6 @@ def make_demo(out_dir, samples=384, val_samples=32, new_tokens=48, seed=0, force
     return out_dir
 
 def summary(out, metas, t0, log):
-    # what prepare.py wrote to out/train (and out/val), and the time since t0
     for m, s in zip(metas, ("train", "val")):
         log(f"wrote {os.path.join(out, s)}: {m['n_samples']} samples, {m['n_tokens']} tokens "
             f"({m['n_supervised']} supervised), vocab bound {m['vocab_size']}")

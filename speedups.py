@@ -31,7 +31,7 @@ def fla_configs_at_once():
         if module is not None and name.split(".")[0] == "fla":
             for kernel in list(vars(module).values()):
                 while isinstance(kernel, KernelInterface):
-                    if isinstance(kernel, Autotuner):
+                    if isinstance(kernel, Autotuner) and not hasattr(kernel, "configs_at_once"):
                         found[id(kernel)] = kernel
                     kernel = getattr(kernel, "fn", None)
     pool = ThreadPoolExecutor(min(32, os.cpu_count() or 1))
@@ -40,8 +40,7 @@ def fla_configs_at_once():
         run = tuner.run                   # the class's Autotuner.run, bound to this instance
 
         def run_all_compiled(*args, **kwargs):
-            # the autotuner's own key (Autotuner.run): the key args' values, then the dtype of
-            # every tensor argument
+            # Autotuner.run's own key: the key args' values, then every tensor argument's dtype
             named = {k: v for k, v in {**dict(zip(tuner.arg_names, args)), **kwargs}.items()
                      if k in tuner.arg_names}
             key = tuple([named[k] for k in tuner.keys if k in named]
@@ -55,15 +54,13 @@ def fla_configs_at_once():
         # instance, so they call this; Autotuner.run itself is untouched
         tuner.run, tuner.configs_at_once = run_all_compiled, True
 
-    todo = [t for t in found.values() if not getattr(t, "configs_at_once", False)]
-    for tuner in todo:
+    for tuner in found.values():
         wrap(tuner)
-    return len(todo)
+    return len(found)
 
 def launch_bound(what, fn, *a, log=print):
-    """fn(*a), and whether a CUDA graph would speed it up: when the GPU is done within a quarter
-    of the host's queueing time after the host is, the host sets the pace (a small model's step;
-    a large one runs far longer on the GPU than it takes to queue)."""
+    """fn(*a), and whether a CUDA graph would speed it up: the host sets the pace when the GPU
+    is done within a quarter of its queueing time after the host (a small model's step)."""
     stream = torch.cuda.current_stream()
     stream.synchronize()
     t0 = time.perf_counter()
@@ -76,50 +73,41 @@ def launch_bound(what, fn, *a, log=print):
         + ("launch-bound, replayed from a CUDA graph from now on" if bound else "run eagerly"))
     return out, bound
 
-class Replay:
-    """fn(*buffers) captured as one CUDA graph; replay(*values) copies the values (tensors or
-    numbers) into the buffers, replays, and returns the graph's outputs (overwritten by the next
-    replay). Random draws use the seed set before each replay (graph-safe Philox), as eagerly."""
-    def __init__(self, fn, *buffers):
-        self.buffers, self.graph = buffers, torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.outputs = fn(*buffers)
-
-    def __call__(self, *values):
-        for buf, v in zip(self.buffers, values):
-            buf.copy_(v) if torch.is_tensor(v) else buf.fill_(v)
-        self.graph.replay()
-        return self.outputs
-
 class UpdateGraph:
-    """train.py's update(feats, fields, lr) -> metrics: eager, and from its call number `timed` on
-    (a warm step) replayed from a CUDA graph if that call was launch-bound. The graph's lr is a
-    device tensor, which fused AdamW reads inside the graph once it is capturable."""
+    """train.py's update(feats, fields, lr) -> metrics: eager, and from its call number `timed`
+    on (a warm step) replayed from a CUDA graph if that call was launch-bound: the values copied
+    into the graph's buffers, its outputs returned (overwritten by the next replay). lr is a device
+    tensor there, which fused AdamW reads inside the graph once capturable. Random draws use the
+    seed set before each replay (graph-safe Philox), as eagerly."""
     def __init__(self, update, opt, timed, log=print):
         self.update, self.opt, self.timed, self.log = update, opt, timed, log
-        self.calls, self.replay = 0, None
+        self.calls, self.graph = 0, None
 
     def __call__(self, feats, packed, lr):
         self.calls += 1
-        if self.replay:
-            return self.replay(feats, packed, lr)
+        if self.graph is not None:
+            for buf, v in zip(self.buffers, (feats, packed, lr)):
+                buf.copy_(v) if torch.is_tensor(v) else buf.fill_(v)
+            self.graph.replay()
+            return self.outputs
         if self.calls != self.timed:
             return self.update(feats, packed, lr)
         out, bound = launch_bound("drafter step", self.update, feats, packed, lr, log=self.log)
         if bound:
             for group in self.opt.param_groups:
                 group["capturable"] = True
-            self.replay = Replay(self.update, feats.clone(), packed.clone(),
-                                 torch.tensor(lr, device=feats.device))
+            self.buffers = feats.clone(), packed.clone(), torch.tensor(lr, device=feats.device)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.outputs = self.update(*self.buffers)
         return out
 
 class FeatureGraphs:
-    """target.features(ids, cu_seqlens, layer_ids) from CUDA graphs. The kernels' grids depend on
-    a row only through its document count and fla's 64-token chunk count: one graph per such
-    shape, its values (tokens, boundaries, positions, chunk list) copied in before a replay. A
-    shape runs eagerly the first time, is captured the second (fla's autotuner must have tuned).
-    Flash attention gets the row length as the longest document: a bigger grid, the same result.
-    One shared memory pool: each output is copied out. Dense targets only (MoE syncs)."""
+    """target.features(ids, cu_seqlens, layer_ids) from CUDA graphs. Kernel grids depend on a
+    row only through its document count and fla's 64-token chunk count: one graph per such shape,
+    captured its second time (fla's autotuner must have tuned), the row's values copied in before a
+    replay. Flash attention gets the row length as the longest document: a bigger grid, the same
+    result. One shared memory pool: outputs are copied out. Dense targets only (MoE syncs)."""
     def __init__(self, target, layer_ids, log=print):
         self.target, self.layer_ids, self.log = target, layer_ids, log
         self.graphs, self.seen, self.pool, self.train_rows, self.bound = {}, set(), None, 0, None
@@ -143,13 +131,11 @@ class FeatureGraphs:
             # fresh buffers: fla caches what it derives from cu_seqlens by tensor identity
             new = lambda *shape: torch.zeros(*shape, dtype=torch.long, device=dev)
             docs = Docs(new(len(bounds)), None, new(len(chunks), 2), T)
-            inputs = new(T), docs, new(T)
-            graph = torch.cuda.CUDAGraph()
+            inputs, graph = (new(T), docs, new(T)), torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 out = self.target.features(inputs[0], None, self.layer_ids,
                                            prepared=(docs, inputs[2]))
-            self.pool = graph.pool()
-            self.graphs[key] = graph, inputs, out
+            self.pool, self.graphs[key] = graph.pool(), (graph, inputs, out)
         graph, (ids_in, docs, pos), out = self.graphs[key]
         # one upload: boundaries, positions, chunk list
         host = np.concatenate([bounds, positions_from_cu(cu_seqlens).numpy(), chunks.ravel()])
