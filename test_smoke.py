@@ -999,7 +999,7 @@ def test_dpace_loss_through_the_step(hand, monkeypatch, alpha):
     the row end, a padded anchor), loss and every gradient, == a plain-torch D-PACE over full logits: weights
     from SpecForge's formula written as loops (detached), no decay, the sum over the row's 2 samples."""
     t, d, r = hand
-    N, S, V = len(HAND_ANCHORS), len(HAND_DOC), t.config.vocab_size
+    N, S = len(HAND_ANCHORS), len(HAND_DOC)
     d.zero_grad()
     out = forward(d, t, r, gamma=GAMMA, ce_chunk=7, dpace=alpha)
     out["loss"].backward()
@@ -3007,7 +3007,7 @@ def test_quality_once_without_locks(tmp_path):
 def chi_square(draws, probs):
     """Pearson's statistic of integer draws against probabilities, bins with < 5 expected pooled; and
     its degrees of freedom."""
-    n, expect = len(draws), len(draws) * probs
+    expect = len(draws) * probs
     counts = torch.bincount(draws, minlength=len(probs)).double()
     small = expect < 5
     counts = torch.cat([counts[~small], counts[small].sum().view(1)])
