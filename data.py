@@ -28,7 +28,9 @@ class DataError(ValueError):
     """Bad data on disk or in the input. The message names the file and the fix."""
 
 class Bad(Exception):
-    """A skipped input line: args = (kind, detail)."""
+    """A skipped input line or a failed request: args = (kind or server, detail)."""
+    def __str__(self):
+        return ": ".join(self.args)
 
 def load_line(line):
     try:
@@ -304,20 +306,15 @@ class Packer:
 # -----------------------------------------------------------------------------
 # demo: the default dataset, made the DFlash way at toy scale
 
-def cut_at_eos(ans, eos=0):
-    # an answer up to its first end-of-text (quality.py's <|endoftext|> is id 0), that included
-    hit = np.flatnonzero(ans == eos)
-    return ans[:hit[0] + 1] if len(hit) else ans
-
-def make_demo(out_dir, samples=384, val_samples=32, new_tokens=48, seed=0, force=False, log=print):
+def make_demo(out_dir, samples=384, val_samples=32, new_tokens=48, seed=0, log=print):
     """Random prompts of 8-24 tokens (`seed`) continued greedily for new_tokens by target.py's
     `tiny` target (train.py's own), loss mask on the continuation: the target's own output, as
     DFlash trains, so the acceptance proxy is real acceptance against it. Reused if already made."""
     want = dict(demo="tiny", samples=samples, val_samples=val_samples, new_tokens=new_tokens,
                 seed=seed)
     try:
-        if not force and all(open_dataset(os.path.join(out_dir, s)).meta.get("source") == want
-                             for s in ("train", "val")):
+        if all(open_dataset(os.path.join(out_dir, s)).meta.get("source") == want
+               for s in ("train", "val")):
             log(f"reusing the demo in {out_dir}")
             return out_dir
     except (OSError, ValueError):
@@ -340,12 +337,6 @@ def make_demo(out_dir, samples=384, val_samples=32, new_tokens=48, seed=0, force
     rows = [(s[:len(p) + new_tokens].numpy(), np.arange(len(p) + new_tokens) >= len(p))
             for s, p in zip(seqs, prompts)]
     for split, part in (("train", rows[:samples]), ("val", rows[samples:])):
-        m = write_dataset(os.path.join(out_dir, split), part, cfg.vocab_size, force, source=want)
+        m = write_dataset(os.path.join(out_dir, split), part, cfg.vocab_size, source=want)
         log(f"demo: wrote {out_dir}/{split}: {m['n_samples']} samples, {time.time() - t0:.1f}s")
     return out_dir
-
-def summary(out, metas, t0, log):
-    for m, s in zip(metas, ("train", "val")):
-        log(f"wrote {os.path.join(out, s)}: {m['n_samples']} samples, {m['n_tokens']} tokens "
-            f"({m['n_supervised']} supervised), vocab bound {m['vocab_size']}")
-    log(f"done in {time.time() - t0:.1f}s")

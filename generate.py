@@ -33,7 +33,7 @@ def speculative(target, drafter, prompt, max_new, eos=()):
     c, embed, head = drafter.config, target.embed_tokens.weight, target.lm_head.weight
 
     def draft(feats, tokens, doc, pos, anchors):      # one prompt: anchors = [its last position]
-        a = int(anchors[0])
+        a = len(tokens) - 1
         x = drafter.propose(feats[:a], pos[:a], tokens[a], a, embed, head)[0][None]
         return x, F.one_hot(x, len(head)).float()
     (new,), (cycles,) = speculative_sampling(target, draft, [prompt], max_new, 0, None,
@@ -84,11 +84,12 @@ def speculative_sampling(target, draft, prompts, max_new, temperature, generator
         acc = (u * qx < px).long().cumprod(1).sum(1)               # u < p/q, without dividing by 0
         rest = (p - F.pad(q, (0, 0, 0, 1)))[torch.arange(len(live), device=dev), acc]  # q: 0 at B
         bonus = sample(rest.clamp(min=0))                 # max(p - q, 0); multinomial renormalises
-        xs, bs = x.tolist(), bonus.tolist()     # one copy to the host per cycle, not per prompt
+        xs, bs = x.tolist(), bonus.tolist()     # copies to the host per cycle, not per prompt
         for i, (j, c) in enumerate(zip(live, acc.tolist())):
             seqs[j] = torch.cat([seqs[j], x[i, :c], bonus[i:i + 1]])
-            ctx[j] = feats[int(cu[i]):int(cu[i]) + len(seqs[j]) - 1]
             news[j], cycles[j] = news[j] + xs[i][:c] + [bs[i]], cycles[j] + [c + 1]
+            # a finished prompt lets go of this cycle's features
+            ctx[j] = feats[int(cu[i]):int(cu[i]) + len(seqs[j]) - 1] if going(j) else None
         live = list(filter(going, live))
     news = [n[:max_new] for n in news]          # cut after the first end-of-sequence token
     return [next((n[:i + 1] for i, t in enumerate(n) if t in eos), n) for n in news], cycles
@@ -138,14 +139,14 @@ def evaluate(target, drafter, prompts, max_new, eos=(), log=print):
 # -----------------------------------------------------------------------------
 # tau by replay: no decoding; tau under sampling
 
-def propose_at(drafter, target, feats, tokens, doc, pos, anchors, argmax=True):
+def propose_at(drafter, target, ctx, tokens, doc, pos, anchors, argmax=True):
     """Drafter.propose for N anchors of one packed row at once, each block's context the features
-    of its document before its anchor (the training mask, dense): feats [S, n_feat*H],
+    of its document before its anchor (the training mask, dense): ctx [S, H] = drafter.context,
     tokens/doc/pos [S], anchors [N] ascending -> proposals [N, B-1] (argmax=False: logits)."""
     c, k = drafter.config, torch.arange(drafter.config.block_size, device=tokens.device)
     block = torch.where(k == 0, tokens[anchors][:, None], c.mask_token_id)  # [N, B]: anchor, masks
     attend = row_attention(c, anchors, torch.ones_like(anchors, dtype=torch.bool), doc, len(tokens))
-    h = drafter.hidden(feats, pos, F.embedding(block.view(-1), target.embed_tokens.weight),
+    h = drafter.hidden(ctx, pos, F.embedding(block.view(-1), target.embed_tokens.weight),
                        (pos[anchors][:, None] + k).view(-1), attend)
     logits = (h.view(len(anchors), c.block_size, -1)[:, 1:] @ target.lm_head.weight.t()).float()
     return logits.argmax(-1) if argmax else logits
@@ -166,15 +167,15 @@ def replay(target, drafter, seqs, prompt_lens, max_new, eos=(), batch=64):
         chunk, P = seqs[s:s + batch], torch.tensor(prompt_lens[s:s + batch])
         row, cu, doc, pos = _packed([x.to(dev) for x in chunk])
         feats, logits = target.features_and_logits(row, cu, c.target_layer_ids)
+        ctx = drafter.context(feats)             # fused once for the batch's every cycle
         post = logits.argmax(-1)                 # [S]: the target's next token after each position
         differ += int(((row[1:] != post[:-1]) & (pos >= P.to(dev)[doc])[1:] & (pos[1:] > 0)).sum())
         a0 = (cu[:-1] + P).to(dev)               # each prompt's first anchor: the prefill's token
         a, done = a0.clone(), torch.isin(post[a0 - 1], eos_t) | (max_new <= 1)
         out += [[] for _ in chunk]
-        while not bool(done.all()):
-            live = (~done).nonzero()[:, 0]
+        while len(live := (~done).nonzero()[:, 0]):
             at = a[live]
-            draft = propose_at(drafter, target, feats, row, doc, pos, at)          # [n, B-1]
+            draft = propose_at(drafter, target, ctx, row, doc, pos, at)            # [n, B-1]
             want = post[at[:, None] + k]                                            # [n, B]
             acc = (draft == want[:, :-1]).long().cumprod(1).sum(1)
             a[live] = at + acc + 1     # committed: want[:, :acc+1], the accepted and the bonus
@@ -214,7 +215,7 @@ def sampled_tau(target, drafter, prompts, max_new, temperature, seed, eos=()):
     c, g = drafter.config, torch.Generator(prompts[0].device).manual_seed(seed)
 
     def draft(feats, tokens, doc, pos, anchors):      # [n, B-1] proposals, [n, B-1, V] their q
-        q = (propose_at(drafter, target, feats, tokens, doc, pos, anchors, argmax=False)
+        q = (propose_at(drafter, target, drafter.context(feats), tokens, doc, pos, anchors, False)
              / temperature).softmax(-1)
         return torch.multinomial(q.flatten(0, 1), 1, generator=g).view(q.shape[:2]), q
     return tau_summary(speculative_sampling(target, draft, prompts, max_new, temperature, g,
@@ -271,7 +272,7 @@ def chat_prompts(path, tokenizer, n, kwargs=None):
             try:
                 prompts.append(torch.from_numpy(chat.prompt(load_line(line))))
             except Bad as e:
-                raise DataError(f"{path}:{lineno}: {e.args[0]}: {e.args[1]}")
+                raise DataError(f"{path}:{lineno}: {e}")
     return prompts
 
 def hf_eos(path):

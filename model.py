@@ -361,11 +361,13 @@ class Drafter(nn.Module):
             if p.dim() == 2:
                 nn.init.normal_(p, std=0.02)
 
-    def hidden(self, feats, ctx_pos, block_emb, block_pos, attend):
-        """feats [S, n_feat*H] target features, block_emb [Q, H], positions for RoPE, attend {layer
-        kind: attention function} -> [Q, H], final-normed."""
+    def context(self, feats):   # target features [S, n_feat*H] -> [S, H], k/v of every layer
+        return self.hidden_norm(self.fc(feats))
+
+    def hidden(self, ctx, ctx_pos, block_emb, block_pos, attend):
+        """ctx [S, H] = context(target features), block_emb [Q, H], positions for RoPE, attend
+        {layer kind: attention function} -> [Q, H], final-normed."""
         c = self.config
-        ctx = self.hidden_norm(self.fc(feats))      # one fused context feeds k/v of every layer
         rope_q = drafter_rope(block_pos, c)
         rope_kv = drafter_rope(torch.cat([ctx_pos, block_pos]), c)
         h = block_emb.to(ctx.dtype)
@@ -388,7 +390,8 @@ class Drafter(nn.Module):
         block_ids = tokens[anchors][:, None].expand(N, B).masked_fill(~is_anchor, c.mask_token_id)
         attend = row_attention(c, anchors, keep, doc, S, flex, blocks)
         block_pos = (pos[anchors][:, None] + k).view(-1)   # RoPE positions anchor..anchor+B-1
-        h = self.hidden(feats, pos, F.embedding(block_ids.view(-1), embed), block_pos, attend)
+        h = self.hidden(self.context(feats), pos, F.embedding(block_ids.view(-1), embed),
+                        block_pos, attend)
         # labels: slot k predicts the token AT anchor+k (no extra shift); slot 0 is the anchor
         same_doc = doc[idx] == doc[anchors][:, None]
         supervised = keep[:, None] & (k > 0) & inside & (loss_mask[idx] > 0) & same_doc
@@ -419,7 +422,8 @@ class Drafter(nn.Module):
         q_at, kv_at = block_pos[:, None], torch.cat([ctx_pos, block_pos])[None, :]
         sees = lambda w: (kv_at <= q_at) & (q_at - kv_at < w) if w else None   # [B, ctx + B]
         attend = {kind: _dense_attention(sees(w)) for kind, w in c.windows().items()}
-        h = self.hidden(ctx_feats, ctx_pos, F.embedding(block, embed), block_pos, attend)
+        h = self.hidden(self.context(ctx_feats), ctx_pos, F.embedding(block, embed), block_pos,
+                        attend)
         logits = (h[1:] @ head.t()).float()
         return logits.argmax(-1), logits
 

@@ -25,7 +25,7 @@ from datetime import datetime
 import numpy as np
 
 from data import (ArgParser, Bad, DataError, Writer, kwargs_arg, load_line, number,
-                  open_dataset, package, summary)
+                  open_dataset, package)
 
 # -----------------------------------------------------------------------------
 # a JSONL line's conversation: OpenAI messages, ShareGPT conversations or a prompt
@@ -413,7 +413,10 @@ def prepare(input, out, tokenizer=None, val=None, vocab_size=None, force=False, 
     if force and not n_val and os.path.exists(os.path.join(out, "val")):  # a stale one mismatches
         shutil.rmtree(os.path.join(out, "val"))
         log(f"removed the old {os.path.join(out, 'val')}")
-    summary(out, metas, t0, log)
+    for m, s in zip(metas, ("train", "val")):
+        log(f"wrote {os.path.join(out, s)}: {m['n_samples']} samples, {m['n_tokens']} tokens "
+            f"({m['n_supervised']} supervised), vocab bound {m['vocab_size']}")
+    log(f"done in {time.time() - t0:.1f}s")
     # what the drafter will learn, before a GPU hour is spent on it (what --budget cuts: train.py)
     ds = open_dataset(os.path.join(out, "train"))
     L, n = np.sort(ds.lengths), len(ds) - 1  # not np.percentile: its import alone grows the process

@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 
 import generate
-from data import ArgParser, DataError, cut_at_eos, number, package, write_dataset
-from target import Docs, Target, TargetConfig, positions_from_cu, rope_cos_sin
+from data import ArgParser, DataError, number, package, write_dataset
+from target import Docs, Target, TargetConfig, positions_from_cu, rope_cos_sin, upload
 
 EOT, MASK = "<|endoftext|>", "<|mask|>"   # ids 0 and vocab-1 (train.py's default mask id)
 SKIP = {"test", "tests", "testing", "__pycache__", "site-packages", "dist-packages", "idlelib",
@@ -180,8 +180,8 @@ def save_hf(model, cfg, tok, out, shard_bytes=15 << 20):
 def train_target(b, cfg, stream, dev_stream, device):
     """AdamW on next-token cross-entropy over random rows of the train stream: the model, the train
     and the dev loss. The GDN core is target.py's plain-torch delta rule, compiled on GPU."""
-    tc = TargetConfig(**{k: v for k, v in cfg.items() if k in TargetConfig.__dataclass_fields__},
-                      rope_theta=cfg["rope_parameters"]["rope_theta"])
+    tc = TargetConfig(**{k: v for k, v in {**cfg, **cfg["rope_parameters"]}.items()  # + RoPE's
+                         if k in TargetConfig.__dataclass_fields__})
     B, T, cuda = b.batch, b.seq, device.type == "cuda"
     torch._dynamo.config.recompile_limit = 64   # pad_docs: a frame of its own seen in many shapes
     torch.manual_seed(b.seed)
@@ -196,7 +196,7 @@ def train_target(b, cfg, stream, dev_stream, device):
     @torch.autocast(device.type, torch.bfloat16, enabled=cuda)
     def step_loss(s):   # on B random rows of stream s
         rows = np.stack([s[a:a + T + 1] for a in rng.integers(0, len(s) - T - 1, B)])
-        rows = torch.from_numpy(rows.astype(np.int64)).to(device)
+        rows = upload(torch.from_numpy(rows.astype(np.int64)), device)
         h = model.embed_tokens(rows[:, :-1].reshape(-1))
         for layer in model.layers:
             h = run_layer(layer, h)
@@ -238,6 +238,11 @@ def cut_prompts(docs, n, rng, tok, lo=32, hi=192):
             out.append(d[a:a + rng.integers(lo, hi + 1)])
     return out
 
+def cut_at_eos(ans, eos=0):
+    # an answer up to its first end-of-text (<|endoftext|> is id 0), that included
+    hit = np.flatnonzero(ans == eos)
+    return ans[:hit[0] + 1] if len(hit) else ans
+
 def continued(target, prompts, new, temperature, seed, device, chunk=4096):
     g, out = torch.Generator(device).manual_seed(seed), []
     for c in range(0, len(prompts), chunk):
@@ -247,7 +252,7 @@ def continued(target, prompts, new, temperature, seed, device, chunk=4096):
     return out
 
 def build(b, work, device):
-    """The target dir, the data dir and build.json's dict for settings b, built once. Builds sharing
+    """The target dir and the data dir for settings b, built once. Builds sharing
     a target take turns: one started beside another making its target waits, then copies it."""
     root = os.path.join(work, f"build-{b.key()}")
 
@@ -291,7 +296,7 @@ def build(b, work, device):
     print("built" if made else "reusing the target and data in", root, f"(build time "
           f"{info['seconds']['total']:.0f}s): target loss train {info['train_loss']:.3f} dev "
           f"{info['dev_loss']:.3f}")
-    return os.path.join(root, "target"), os.path.join(root, "data"), info
+    return os.path.join(root, "target"), os.path.join(root, "data")
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
@@ -309,7 +314,7 @@ def main(argv=None):
     args = ap.parse_args(argv[:cut])
     b, device = Build(**{f: getattr(args, f) for f in asdict(Build())}), generate.device_dtype()[0]
     try:
-        tdir, ddir, info = build(b, args.work, device)
+        tdir, ddir = build(b, args.work, device)
     except DataError as e:
         sys.exit(f"error: {e}")
     defaults = ["--anchors", "128", "--budget", "4096", "--eval-rows", "16"]

@@ -115,7 +115,7 @@ def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temp
                 fail(lineno, e, "bad")
 
     def fail(lineno, e, kind):  # e: Bad(what is bad in the line, or the server; why)
-        why = ": ".join(e.args)
+        why = str(e)
         n[kind] += 1
         if n["failed"] + n["bad"] <= 20:
             tqdm.write(f"{input}:{lineno}: {why}")
@@ -217,7 +217,8 @@ def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temp
         clients, tasks = [], []
         try:
             for url, i in itertools.product(servers, range(concurrency)):
-                clients += [client(url)] * (i % 16 == 0)
+                if i % 16 == 0:
+                    clients.append(client(url))
                 tasks.append(asyncio.ensure_future(worker(clients[-1], url)))
             await asyncio.gather(*tasks)
         finally:  # a worker's error: cancel the others before their clients close
