@@ -7,7 +7,10 @@ prompts, mean +- 95% CI. All is cached under --work by its settings; runs side b
 
   python quality.py                              # build or reuse; the defaults; tau on test
   python quality.py --split dev -- --lr 1e-3     # tune on dev: flags after -- go to train.py
+  python quality.py --split dev --compare "--loss dflash" ""   # side by side, one table
   python quality.py --curve 1500,3000,4500       # tau of runs of these many steps: converged?
+A run (train.py's --out, keyed by the build and its flags) trains once: a finished one is reused
+for every split and temperature.
 """
 import argparse
 import contextlib
@@ -17,6 +20,7 @@ import hashlib
 import json
 import math
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -50,7 +54,7 @@ class Build:
     lr: float = 3e-3                # peak AdamW lr (warmup 5%, cosine to 10%)
     max_files: int = 0              # corpus files read (0: all), for tests
     train_prompts: int = 4000       # drafter training prompts (their sampled answers)
-    eval_prompts: int = 128         # dev and test prompts each
+    eval_prompts: int = 512         # dev and test prompts each (128 cannot resolve 5%)
     new_tokens: int = 256           # answer length (eval: + block_size, the replay's lookahead)
     temperature: float = 0.7        # answers of the drafter's training set
     seed: int = 0
@@ -298,6 +302,80 @@ def build(b, work, device):
           f"{info['dev_loss']:.3f}")
     return os.path.join(root, "target"), os.path.join(root, "data")
 
+# -----------------------------------------------------------------------------
+# runs: train.py once per (build, flags), tau per split and temperature, each kept in the run dir
+
+# the lab's train.py flags before the user's (after --): the recipe's 512 anchors per document, a
+# row capacity that keeps every eligible one (4K-token rows of ~400-token samples ask for ~2.5K)
+LAB = ["--anchors", "512", "--budget", "4096", "--row-anchors", "3072", "--eval-rows", "16"]
+
+def run_flags(user, steps=0):
+    flags = [*LAB, *user, *(["--max-steps", str(steps)] if steps else [])]
+    if not {"--max-steps", "--epochs"} & set(flags):    # train.py takes one or the other
+        flags += ["--epochs", "12"]
+    return flags
+
+def run_dir(work, b, flags):
+    # train.py's --out: keyed by the build and the flags
+    return os.path.join(work, "run-" + hashlib.sha1(json.dumps([b.key(), flags]).encode())
+                        .hexdigest()[:10])
+
+def train_once(out, tdir, ddir, flags, retrain=False):
+    """train.py into out, unless a finished run is there (its `end` record and its export): the
+    record of that run, {train_s, proxy, anchors}. A peer training into the same out waits."""
+    log = os.path.join(out, "log.jsonl")
+    finished = lambda: os.path.exists(os.path.join(out, "drafter", "model.safetensors")) and any(
+        r["kind"] == "end" for r in map(json.loads, open(log)))
+    with lock(out):
+        if retrain or not (os.path.exists(log) and finished()):
+            shutil.rmtree(out, ignore_errors=True)       # its taus too
+            # a cache of its own (the build's compiles set TORCHINDUCTOR_CACHE_DIR here: every run
+            # inheriting it would share it)
+            env = {k: v for k, v in os.environ.items()
+                   if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+            cmd = [sys.executable, os.path.join(HERE, "train.py"), "--target", tdir, "--data", ddir,
+                   "--out", out, "--cache-dir", out + ".cache", *flags]
+            print("train: " + " ".join(cmd[1:]), flush=True)   # then minutes of silence
+            with open(out + ".log", "w") as f:   # written as train.py runs
+                rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
+            if rc:
+                sys.exit(f"error: train.py failed (exit {rc}), log {out}.log:\n"
+                         + open(out + ".log").read()[-3000:])
+        else:
+            print(f"reusing the finished run {out} (--retrain to train it again)", flush=True)
+    recs = list(map(json.loads, open(log)))
+    ev = [r for r in recs if r["kind"] == "eval"][-1]
+    anchors = next((ln.strip() for ln in open(out + ".log") if ln.startswith("anchors:")), "")
+    print(f"{anchors}\neval step {ev['step']}: loss {ev['loss']:.4f} | accept {ev['accept']:.3f} "
+          "(the proxy, dev rows) | slot acc " + " ".join(f"{a:.2f}" for a in ev["slot_acc"]))
+    return dict(train_s=recs[-1]["elapsed_s"], proxy=ev["accept"], anchors=anchors)
+
+def tau_once(out, tdir, ddir, b, split, n, temp, device):
+    # generate.replay_dataset's dict for the run's export, kept in the run dir: computed once
+    path = os.path.join(out, f"tau-{split}-T{temp:g}-n{n or 'all'}.json")
+    if not os.path.exists(path):
+        t0 = time.time()
+        res = generate.replay_dataset(tdir, os.path.join(out, "drafter"), os.path.join(
+            ddir, f"{split}-greedy"), b.new_tokens, n, device, temp, b.seed)
+        res["seconds"] = time.time() - t0
+        with open(path + f".tmp-{os.getpid()}", "w") as f:
+            json.dump(res, f)
+        os.replace(path + f".tmp-{os.getpid()}", path)
+    res = json.load(open(path))
+    at = f" at T = {temp:g}" if temp else ""
+    print(f"tau {split}{at} {generate.tau_text(res)} | {res['seconds']:.1f}s\n"
+          + generate.hist_line(res["hist"]), flush=True)
+    return res
+
+def table(rows, temp):
+    # one line per configuration: tau +- 95% CI greedy, at T, per prompt; the proxy; train time
+    pm = lambda r, k: f"{r[k]:.3f} +- {r[k + '_ci']:.3f}" if r else "-"
+    head = ["configuration", "greedy", f"T = {temp:g}", "per-prompt", "proxy", "train s"]
+    body = [[name, pm(g, "tau"), pm(t, "tau"), pm(g, "tau_mean"), f"{run['proxy']:.3f}",
+             f"{run['train_s']:.0f}"] for name, run, g, t in rows]
+    w = [max(len(r[i]) for r in [head] + body) for i in range(len(head))]
+    return "\n".join(" | ".join(c.ljust(n) for c, n in zip(r, w)) for r in [head] + body)
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     cut = argv.index("--") if "--" in argv else len(argv)   # flags after -- go to train.py
@@ -306,43 +384,65 @@ def main(argv=None):
     add("--work", default=os.path.join(HERE, "data", "quality"), help="cache of builds and runs")
     add("--split", choices=("dev", "test"), default="test", help="tune on dev, report on test")
     add("--prompts", type=number(int, 1), help="replayed prompts (default: all of the split)")
-    add("--tau-temperature", type=number(float, 0), default=0.0, help="> 0: also tau sampled at T")
+    add("--tau-temperature", type=number(float, 0), default=1.0, help="> 0: also tau sampled at "
+        "this temperature; 0: greedy only")
     add("--curve", metavar="N,N,...", help="a train.py run per N (--max-steps N), tau of each")
+    add("--compare", nargs="+", metavar="'FLAGS'", help="train.py flags per configuration (each "
+        "one quoted string; '' for the lab's defaults), trained side by side: one table")
+    add("--retrain", action="store_true", help="train again a run that finished")
     add("--build-only", action="store_true", help="build the target and data, stop")
     for f, v in asdict(Build()).items():
         add("--target-" + f.replace("_", "-"), type=type(v), default=v, dest=f, help=f"Build.{f}")
+    # --compare's values by hand (argparse takes a lone "--no-compile" for an option of its own)
+    compare = []
+    if "--compare" in argv[:cut]:
+        i = argv.index("--compare")
+        j = next((k for k in range(i + 1, cut) if argv[k] in ap._option_string_actions), cut)
+        compare, argv, cut = argv[i + 1:j], argv[:i] + argv[j:], cut - (j - i)
+        if not compare or "--curve" in argv or cut < len(argv):
+            sys.exit("error: --compare: one quoted string of train.py flags per configuration, "
+                     "and no --curve or flags after --")
     args = ap.parse_args(argv[:cut])
     b, device = Build(**{f: getattr(args, f) for f in asdict(Build())}), generate.device_dtype()[0]
     try:
         tdir, ddir = build(b, args.work, device)
     except DataError as e:
         sys.exit(f"error: {e}")
-    defaults = ["--anchors", "128", "--budget", "4096", "--eval-rows", "16"]
-    for steps in [] if args.build_only else map(int, args.curve.split(",")) if args.curve else [0]:
-        flags = [*defaults, *argv[cut + 1:], *(["--max-steps", str(steps)] if steps else [])]
-        if not {"--max-steps", "--epochs"} & set(flags):    # train.py takes one or the other
-            flags += ["--epochs", "12"]
-        key = hashlib.sha1(json.dumps([b.key(), flags]).encode()).hexdigest()[:10]
-        out = os.path.join(args.work, f"run-{key}")     # train.py's --out, by build and flags
-        cmd = [sys.executable, os.path.join(HERE, "train.py"), "--target", tdir, "--data", ddir,
-               "--out", out, "--overwrite", *flags]
-        with lock(out):   # a peer training into the same --out waits for this run's tau
-            print("train: " + " ".join(cmd[1:]), flush=True)   # then minutes of silence
-            with open(out + ".log", "w") as f:   # written as train.py runs
-                rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
-            if rc:
-                sys.exit(f"error: train.py failed (exit {rc}), log {out}.log:\n"
-                         + open(out + ".log").read()[-3000:])
-            ev = [r for r in map(json.loads, open(os.path.join(out, "log.jsonl")))
-                  if r["kind"] == "eval"][-1]
-            print(f"eval step {ev['step']}: loss {ev['loss']:.4f} | accept {ev['accept']:.3f} (the "
-                  "proxy, dev rows) | slot acc " + " ".join(f"{a:.2f}" for a in ev["slot_acc"]))
-            for temp in sorted({0.0, args.tau_temperature}):   # greedy first
-                t0, at = time.time(), f" at T = {temp}" if temp else ""
-                res = generate.replay_dataset(tdir, os.path.join(out, "drafter"), os.path.join(
-                    ddir, f"{args.split}-greedy"), b.new_tokens, args.prompts, device, temp, b.seed)
-                print(f"tau {args.split}{at} {generate.tau_text(res)} | {time.time() - t0:.1f}s\n"
-                      + generate.hist_line(res["hist"]))
+    if args.build_only:
+        return
+    if compare:
+        # one child quality.py per configuration, side by side on this GPU; then the table from
+        # what they kept in their run dirs
+        procs, t0 = [], time.time()
+        for cfg in compare:
+            log = run_dir(args.work, b, run_flags(shlex.split(cfg))) + ".quality.log"
+            print(f"configuration '{cfg}': log {log}", flush=True)
+            procs.append((subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), *argv, "--", *shlex.split(cfg)],
+                stdout=open(log, "w"), stderr=subprocess.STDOUT), log))
+        for p, log in procs:
+            if p.wait():
+                sys.exit(f"error: {p.args[2:]} failed (exit {p.returncode}), log {log}:\n"
+                         + open(log).read()[-3000:])
+        print(f"{len(procs)} configurations side by side: {time.time() - t0:.0f} s", flush=True)
+        configs, args.retrain = [shlex.split(c) for c in compare], False
+    else:
+        configs = [argv[cut + 1:]]
+    steps = list(map(int, args.curve.split(","))) if args.curve else [0]
+    rows = []
+    for user in configs:
+        for n in steps:
+            flags = run_flags(user, n)
+            out = run_dir(args.work, b, flags)
+            run = train_once(out, tdir, ddir, flags, args.retrain)
+            taus = [tau_once(out, tdir, ddir, b, args.split, args.prompts, t, device)
+                    for t in sorted({0.0, args.tau_temperature})]
+            name = " ".join(user + ([f"--max-steps {n}"] if n else [])) or "(defaults)"
+            rows.append((name, run, taus[0], taus[1] if len(taus) > 1 else None))
+    print(f"\nsplit {args.split}, {rows[0][2]['prompts']} prompts: tau over cycles (greedy, "
+          "sampled) and the mean of per-prompt tau (greedy), +- 95% CI over prompts\n"
+          + table(rows, args.tau_temperature))
+    return rows
 
 if __name__ == "__main__":
     main()

@@ -2897,7 +2897,8 @@ def test_quality_target_is_a_checkpoint(tmp_path):
 def test_quality_command_end_to_end(tmp_path, capsys):
     """python quality.py at toy scale: builds the target and its data once (a second run reuses them), trains
     with train.py (flags after --), and prints the replayed tau that generate.replay_dataset gives for the
-    exported drafter, with its histogram."""
+    exported drafter, with its histogram. A finished run is reused for another split and temperature;
+    --compare trains each configuration (the finished one reused) and prints one table row each."""
     import quality
     small = ["--work", str(tmp_path), "--target-vocab", "300", "--target-hidden", "64", "--target-layers", "6",
              "--target-intermediate", "96", "--target-seq", "32", "--target-batch", "4", "--target-steps", "3",
@@ -2905,14 +2906,16 @@ def test_quality_command_end_to_end(tmp_path, capsys):
              "--target-new-tokens", "24"]
     quality.main(small + ["--build-only"])
     assert "built " in capsys.readouterr().out
-    quality.main(small + ["--tau-temperature", "1", "--", "--budget", "256",
-                          "--anchors", "8", "--max-steps", "3", "--eval-rows", "2", "--no-compile"])
+    flags = ["--budget", "256", "--anchors", "8", "--row-anchors", "0", "--max-steps", "3", "--eval-rows", "2",
+             "--no-compile"]
+    quality.main(small + ["--", *flags])           # greedy and T = 1 (the default)
     out = capsys.readouterr().out
-    assert "reusing the target and data" in out
+    assert "reusing the target and data" in out and out.count("train: ") == 1
+    assert re.search(r"^anchors: up to 8 per document, \d+ per row", out, re.M), out   # train.py's banner
     tau = float(re.search(r"tau test ([\d.]+) \+- ", out).group(1))
     hist = dict(map(int, kv.split(":")) for kv in out.split("count of cycles: ")[1].split("\n")[0].split())
     (build,) = tmp_path.glob("build-*")
-    (run,) = (p for p in tmp_path.glob("run-*") if p.is_dir())          # train.py's --out
+    (run,) = (p.parent for p in tmp_path.glob("run-*/log.jsonl"))          # train.py's --out
     res = generate.replay_dataset(str(build / "target"), str(run / "drafter"),
                                   str(build / "data" / "test-greedy"), 24)
     assert res["tau"] == pytest.approx(tau, abs=5e-4) and sum(hist.values()) == res["cycles"]
@@ -2922,11 +2925,32 @@ def test_quality_command_end_to_end(tmp_path, capsys):
                        str(build / "data"), "--num-prompts", "2", "--max-new-tokens", "16"])
     out_gen = capsys.readouterr().out
     assert r["identical"] == 2 and "speculative == greedy on 2/2 prompts" in out_gen, out_gen[-1500:]
-    # --tau-temperature 1: speculative sampling from the same prompts, seeded by the build's seed
-    sampled = float(re.search(r"tau test at T = 1.0 ([\d.]+) \+- ", out).group(1))
+    # T = 1: speculative sampling from the same prompts, seeded by the build's seed
+    sampled = float(re.search(r"tau test at T = 1 ([\d.]+) \+- ", out).group(1))
     res = generate.replay_dataset(str(build / "target"), str(run / "drafter"),
                                   str(build / "data" / "test-greedy"), 24, temperature=1.0, seed=0)
     assert res["tau"] == pytest.approx(sampled, abs=5e-4) and res["prompts"] == 4 and res["cycles"] >= 4 * 24 / 16
+    # the finished run is reused for another split and temperature: nothing trains again
+    ((_, _, greedy, at_half),) = quality.main(small + ["--tau-temperature", "0.5", "--", *flags])
+    out = capsys.readouterr().out
+    assert "train: " not in out and f"reusing the finished run {run}" in out
+    assert greedy["tau"] == pytest.approx(tau, abs=5e-4) and at_half["prompts"] == 4
+    ((_, _, dev, none),) = quality.main(small + ["--split", "dev", "--tau-temperature", "0", "--", *flags])
+    assert "train: " not in capsys.readouterr().out and dev["prompts"] == 4 and none is None
+    # --compare: one child quality.py per configuration, side by side (the finished one reused), one table
+    other = flags + ["--lr", "1e-3"]
+    rows = quality.main(small + ["--compare", " ".join(flags), " ".join(other)])
+    out = capsys.readouterr().out
+    assert [r[0] for r in rows] == [" ".join(flags), " ".join(other)]
+    table = out.split("+- 95% CI over prompts\n")[1].splitlines()
+    assert [c.strip() for c in table[0].split(" | ")] == ["configuration", "greedy", "T = 1", "per-prompt",
+                                                          "proxy", "train s"]
+    assert len(table) == 3 and table[1].startswith(" ".join(flags)) and f"{tau:.3f} +- " in table[1], out
+    assert f"{sampled:.3f} +- " in table[1] and table[2].startswith(" ".join(other))
+    runs = [p.parent for p in tmp_path.glob("run-*/log.jsonl")]
+    assert len(runs) == 2 and "reusing the finished run" in (run.parent / f"{run.name}.quality.log").read_text()
+    (new,) = set(runs) - {run}
+    assert "train: " in (new.parent / f"{new.name}.quality.log").read_text()
     # a build that changes only the data (here the drafter's prompts) reuses the target, trains none
     quality.main(small + ["--target-train-prompts", "8", "--build-only"])
     assert f"reusing the target of {build}" in capsys.readouterr().out

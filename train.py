@@ -54,14 +54,16 @@ arg("--anchors", type=number(int, 1), default=16, help="draft blocks per documen
     "(the recipe: 512)")
 arg("--row-anchors", type=number(int, 0), default=0, help="draft blocks per packed row; 0: the "
     "data's 90th percentile, at most 4 * budget / block-size")
-arg("--gamma", type=number(float, 0, above=True), default=7.0, help="slot k's weight "
-    "exp(-(k-1)/gamma)")
-arg("--loss", choices=("dflash", "dpace"), default="dflash", help="dflash: decayed CE; dpace: "
-    "D-PACE, expected-acceptance weights")
+arg("--gamma", type=number(float, 0, above=True), default=7.0, help="--loss dflash: slot k's "
+    "weight exp(-(k-1)/gamma)")
+arg("--loss", choices=("dpace", "dflash"), default="dpace", help="dpace: D-PACE, CE weighted by "
+    "the expected accepted length (arXiv 2605.18810); dflash: the published loss, CE decayed by "
+    "--gamma")
 arg("--dpace-alpha", type=number(float, 0, hi=1), help="D-PACE smoothing alpha (0.5)")
 arg("--lr", type=number(float, 0, above=True), default=6e-4, help="peak AdamW learning rate")
-arg("--warmup", type=number(float, 0, hi=1), default=0.04, help="warmup share of the steps; "
-    "then cosine to 0")
+arg("--warmup", type=number(float, 0, hi=1), default=0.04, help="warmup share of the steps")
+arg("--schedule", choices=("cosine", "wsd"), default="cosine", help="after warmup: cosine to 0, "
+    "or wsd: the peak, then linear to 0 over the last 20%% of the steps")
 arg("--epochs", type=number(int, 1), help="passes over the data (6; or --max-steps)")
 arg("--max-steps", type=number(int, 1), help="optimizer steps (default: epochs' worth)")
 arg("--grad-clip", type=number(float, 0, above=True), default=1.0, help="gradient-norm clip")
@@ -321,6 +323,9 @@ def lr_at(step):
     warm = max(1, round(args.warmup * max_steps))
     if step < warm:
         return args.lr * (step + 1) / warm
+    if args.schedule == "wsd":      # warmup-stable-decay
+        decay = max(1, round(0.2 * max_steps))
+        return args.lr * min(1.0, (max_steps - step) / decay)
     return args.lr * 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, max_steps - warm)))
 
 def mark():
