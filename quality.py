@@ -8,7 +8,7 @@ prompts, mean +- 95% CI. All is cached under --work by its settings; runs side b
   python quality.py                              # build or reuse; the defaults; tau on test
   python quality.py --split dev -- --lr 1e-3     # tune on dev: flags after -- go to train.py
   python quality.py --split dev --compare "--loss dflash" ""   # side by side, one table
-  python quality.py --curve 1500,3000,4500       # tau of runs of these many steps: converged?
+  python quality.py --compare "--max-steps 1500" "--max-steps 3000" ""   # converged?
 A run (train.py's --out, keyed by the build and its flags) trains once: a finished one is reused
 for every split and temperature.
 """
@@ -309,8 +309,8 @@ def build(b, work, device):
 # row capacity that keeps every eligible one (4K-token rows of ~400-token samples ask for ~2.5K)
 LAB = ["--anchors", "512", "--budget", "4096", "--row-anchors", "3072", "--eval-rows", "16"]
 
-def run_flags(user, steps=0):
-    flags = [*LAB, *user, *(["--max-steps", str(steps)] if steps else [])]
+def run_flags(user):
+    flags = [*LAB, *user]
     if not {"--max-steps", "--epochs"} & set(flags):    # train.py takes one or the other
         flags += ["--epochs", "12"]
     return flags
@@ -386,23 +386,15 @@ def main(argv=None):
     add("--prompts", type=number(int, 1), help="replayed prompts (default: all of the split)")
     add("--tau-temperature", type=number(float, 0), default=1.0, help="> 0: also tau sampled at "
         "this temperature; 0: greedy only")
-    add("--curve", metavar="N,N,...", help="a train.py run per N (--max-steps N), tau of each")
-    add("--compare", nargs="+", metavar="'FLAGS'", help="train.py flags per configuration (each "
-        "one quoted string; '' for the lab's defaults), trained side by side: one table")
+    add("--compare", nargs="+", metavar="'FLAGS'", default=[], help="train.py flags of each "
+        "configuration, one quoted string each ('' the lab's defaults), trained side by side")
     add("--retrain", action="store_true", help="train again a run that finished")
     add("--build-only", action="store_true", help="build the target and data, stop")
     for f, v in asdict(Build()).items():
         add("--target-" + f.replace("_", "-"), type=type(v), default=v, dest=f, help=f"Build.{f}")
-    # --compare's values by hand (argparse takes a lone "--no-compile" for an option of its own)
-    compare = []
-    if "--compare" in argv[:cut]:
-        i = argv.index("--compare")
-        j = next((k for k in range(i + 1, cut) if argv[k] in ap._option_string_actions), cut)
-        compare, argv, cut = argv[i + 1:j], argv[:i] + argv[j:], cut - (j - i)
-        if not compare or "--curve" in argv or cut < len(argv):
-            sys.exit("error: --compare: one quoted string of train.py flags per configuration, "
-                     "and no --curve or flags after --")
     args = ap.parse_args(argv[:cut])
+    if args.compare and cut < len(argv):
+        ap.error("--compare: each configuration's flags go in it, none after --")
     b, device = Build(**{f: getattr(args, f) for f in asdict(Build())}), generate.device_dtype()[0]
     try:
         tdir, ddir = build(b, args.work, device)
@@ -410,35 +402,28 @@ def main(argv=None):
         sys.exit(f"error: {e}")
     if args.build_only:
         return
-    if compare:
-        # one child quality.py per configuration, side by side on this GPU; then the table from
-        # what they kept in their run dirs
-        procs, t0 = [], time.time()
-        for cfg in compare:
-            log = run_dir(args.work, b, run_flags(shlex.split(cfg))) + ".quality.log"
-            print(f"configuration '{cfg}': log {log}", flush=True)
-            procs.append((subprocess.Popen(
-                [sys.executable, os.path.abspath(__file__), *argv, "--", *shlex.split(cfg)],
-                stdout=open(log, "w"), stderr=subprocess.STDOUT), log))
-        for p, log in procs:
-            if p.wait():
-                sys.exit(f"error: {p.args[2:]} failed (exit {p.returncode}), log {log}:\n"
-                         + open(log).read()[-3000:])
+    # --compare: a child quality.py per configuration, side by side on this GPU; the table from
+    # what they kept in their run dirs
+    configs, procs, t0 = [shlex.split(c) for c in args.compare] or [argv[cut + 1:]], [], time.time()
+    i = argv.index("--compare") if args.compare else 0   # its strings: right after it
+    own = argv[:i] + argv[i + 1 + len(args.compare):]
+    for user in configs if args.compare else []:
+        log = run_dir(args.work, b, run_flags(user)) + ".quality.log"
+        print(f"'{' '.join(user)}': log {log}", flush=True)
+        procs.append((subprocess.Popen([sys.executable, os.path.abspath(__file__), *own, "--",
+                                        *user], stdout=open(log, "w"), stderr=subprocess.STDOUT), log))
+    for p, log in procs:
+        if p.wait():
+            sys.exit(f"error: {log}:\n" + open(log).read()[-3000:])
+    if procs:
         print(f"{len(procs)} configurations side by side: {time.time() - t0:.0f} s", flush=True)
-        configs, args.retrain = [shlex.split(c) for c in compare], False
-    else:
-        configs = [argv[cut + 1:]]
-    steps = list(map(int, args.curve.split(","))) if args.curve else [0]
     rows = []
     for user in configs:
-        for n in steps:
-            flags = run_flags(user, n)
-            out = run_dir(args.work, b, flags)
-            run = train_once(out, tdir, ddir, flags, args.retrain)
-            taus = [tau_once(out, tdir, ddir, b, args.split, args.prompts, t, device)
-                    for t in sorted({0.0, args.tau_temperature})]
-            name = " ".join(user + ([f"--max-steps {n}"] if n else [])) or "(defaults)"
-            rows.append((name, run, taus[0], taus[1] if len(taus) > 1 else None))
+        out = run_dir(args.work, b, run_flags(user))
+        run = train_once(out, tdir, ddir, run_flags(user), args.retrain and not procs)
+        taus = [tau_once(out, tdir, ddir, b, args.split, args.prompts, t, device)
+                for t in sorted({0.0, args.tau_temperature})]
+        rows.append((" ".join(user) or "(defaults)", run, taus[0], taus[1:] and taus[1] or None))
     print(f"\nsplit {args.split}, {rows[0][2]['prompts']} prompts: tau over cycles (greedy, "
           "sampled) and the mean of per-prompt tau (greedy), +- 95% CI over prompts\n"
           + table(rows, args.tau_temperature))
