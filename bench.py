@@ -6,7 +6,6 @@ GPU checks and measurements (needs CUDA and fla-core; not part of the CPU test s
   python bench.py drafter --anchors 512 [--sliding-window 0]   # train.py's step alone
   python bench.py pair --anchors 512 --budget 8192 --steps 30 [--runs one]   # train.py itself
 """
-import argparse
 import gc
 import json
 import os
@@ -23,8 +22,9 @@ import speedups
 from target import Target, TargetConfig, _chunk_indices, per_expert_linear, positions_from_cu
 from model import Drafter, DrafterConfig, drafter_loss, drafter_step, flex_kernel_options
 from model import sample_anchors
+from data import ArgParser
 
-p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+p = ArgParser(description=__doc__)
 arg = p.add_argument
 arg("what", choices=["check", "target", "drafter", "pair"])
 arg("--anchors", type=int, default=512, help="draft blocks per row (drafter), per document (pair)")

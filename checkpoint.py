@@ -2,6 +2,7 @@
 train.py --out: one run at a time (OUT/lock), none replaced by accident, atomic saves (OUT/ckpt.pt,
 the z-lab export OUT/drafter/), --resume where the run stopped, or refused in one line naming why.
 """
+import argparse
 import errno
 import fcntl
 import glob
@@ -74,6 +75,23 @@ def identity(args, pairs, data_meta, row_anchors, dcfg, tcfg):
     if args.loss != "dflash":      # (absent from dflash runs: their older checkpoints still resume)
         run.update({"--loss": args.loss, "--dpace-alpha": args.dpace_alpha})
     return run
+
+def run_flags(parser, args, argv=None):
+    """--resume continues the run: its checkpoint's flags, but those this command line gives."""
+    try:     # mmap: reads the args, not the tensors; an unreadable file is load()'s to report
+        saved = torch.load(os.path.join(args.out, "ckpt.pt"), map_location="cpu", mmap=True,
+                           weights_only=False)["args"]
+    except Exception:
+        return
+    unset = object()
+    given = {k for k, v in vars(parser.parse_args(argv, argparse.Namespace(
+        **dict.fromkeys(vars(args), unset)))).items() if v is not unset}
+    if given & {"epochs", "max_steps"}:      # one sets the length of the run: the other goes
+        given |= {"epochs", "max_steps"}
+    for k in vars(args).keys() - given - {"resume", "overwrite", "out"}:
+        setattr(args, k, saved.get(k, getattr(args, k)))
+    if "max_steps" not in given and args.max_steps:
+        args.epochs = None
 
 def load(ckpt_path, run, device, max_steps, drafter, opt, args, world):
     """--resume from ckpt_path if this run saved it: returns (step, {what changed: [then, now]})."""

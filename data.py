@@ -45,8 +45,18 @@ def package(name, cmd):
     except ImportError:
         raise DataError(f"{cmd} needs the {name} package: pip install {name}")
 
+class Help(argparse.RawDescriptionHelpFormatter):
+    # --help: the docstring as written, each flag's default unless its help names it or it is unset
+    def _get_help_string(self, action):
+        d, h = action.default, action.help or ""
+        unset = d is None or d is False or d == [] or d == argparse.SUPPRESS
+        return h if unset or "default" in h else h + " (default: %(default)s)"
+
 class ArgParser(argparse.ArgumentParser):
     """argparse whose errors are one line (its usage block would bury them); exit status 2."""
+    def __init__(self, **kw):
+        super().__init__(formatter_class=Help, **kw)
+
     def error(self, message):
         self.exit(2, f"error: {message.removeprefix('argument ')}\n")
 

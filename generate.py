@@ -8,7 +8,6 @@ print it), and a check that both decodes give the same tokens.
   python generate.py --target /ckpt/Qwen3.6-27B --drafter out/drafter --prompts gsm8k.jsonl \\
       --tokenizer /ckpt/Qwen3.6-27B --chat-template-kwargs '{"enable_thinking": false}'
 """
-import argparse
 import itertools
 import json
 import os
@@ -287,7 +286,7 @@ def hf_eos(path):
 # -----------------------------------------------------------------------------
 
 def main(argv=None):
-    ap = ArgParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgParser(description=__doc__)
     arg = ap.add_argument
     arg("--target", default="tiny", help="Qwen3.5/3.6 checkpoint dir, or a target.py preset")
     arg("--drafter", required=True, help="train.py's OUT/drafter (a z-lab format drafter dir)")

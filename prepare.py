@@ -442,7 +442,7 @@ def _val_arg(s):  # --val: a number of lines (>= 1) or a fraction of them in (0,
     return v if v < 1 else int(v)
 
 def main(argv=None):
-    ap = ArgParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgParser(description=__doc__)
     arg = ap.add_argument
     arg("--input", required=True, help="JSONL, one sample a line (input_ids or messages)")
     arg("--out", required=True, help="output directory; gets train/ and, with --val, val/")

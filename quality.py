@@ -12,7 +12,6 @@ prompts, mean +- 95% CI. All is cached under --work by its settings; runs side b
 A run (train.py's --out, keyed by the build and its flags) trains once: a finished one is reused
 for every split and temperature.
 """
-import argparse
 import contextlib
 import fcntl
 import glob
@@ -43,25 +42,38 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 @dataclass
 class Build:
-    """Everything the target and its data depend on; the cache key."""
-    vocab: int = 4096               # BPE vocab, EOT and MASK included
-    hidden: int = 384               # the target's d_model
-    layers: int = 8                 # decoder layers: every 4th full attention, the rest GDN
-    intermediate: int = 1024        # SwiGLU width
-    seq: int = 512                  # tokens per training row
-    batch: int = 64                 # rows per step
-    steps: int = 1500               # optimizer steps (the README has the build times)
-    lr: float = 3e-3                # peak AdamW lr (warmup 5%, cosine to 10%)
-    max_files: int = 0              # corpus files read (0: all), for tests
-    train_prompts: int = 4000       # drafter training prompts (their sampled answers)
-    eval_prompts: int = 512         # dev and test prompts each (128 cannot resolve 5%)
-    new_tokens: int = 256           # answer length (eval: + block_size, the replay's lookahead)
-    temperature: float = 0.7        # answers of the drafter's training set
+    """Everything the target and its data depend on; the cache key. --target-FIELD on the command
+    line, described by HELP."""
+    vocab: int = 4096
+    hidden: int = 384
+    layers: int = 8
+    intermediate: int = 1024
+    seq: int = 512
+    batch: int = 64
+    steps: int = 1500
+    lr: float = 3e-3
+    max_files: int = 0
+    train_prompts: int = 4000
+    eval_prompts: int = 512
+    new_tokens: int = 256
+    temperature: float = 0.7
     seed: int = 0
 
     def key(self, fields=None):
         d = {k: getattr(self, k) for k in fields} if fields else asdict(self)
         return hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:10]
+
+HELP = dict(vocab="target BPE vocab, tokens (<|endoftext|> and <|mask|> included)",
+            hidden="target width d_model", layers="target decoder layers: every 4th full "
+            "attention, the rest Gated DeltaNet", intermediate="target SwiGLU width",
+            seq="target training row, tokens", batch="target training rows per step",
+            steps="target optimizer steps", lr="target peak AdamW lr (warmup 5%%, cosine to 10%%)",
+            max_files="corpus files read (0: all; tests use few)",
+            train_prompts="prompts whose sampled answers train the drafter",
+            eval_prompts="dev and test prompts, each (128 cannot resolve a 5%% change in tau)",
+            new_tokens="tokens per answer (eval: + the block size, the replay's lookahead)",
+            temperature="sampling temperature of the drafter's training answers",
+            seed="seed of the target, the prompts and the answers")
 
 # what the target alone depends on: a build differing in its data only reuses an earlier target
 TARGET_FIELDS = ("vocab", "hidden", "layers", "intermediate", "seq", "batch", "steps", "lr",
@@ -379,7 +391,7 @@ def table(rows, temp):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     cut = argv.index("--") if "--" in argv else len(argv)   # flags after -- go to train.py
-    ap = ArgParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgParser(description=__doc__)
     add = ap.add_argument
     add("--work", default=os.path.join(HERE, "data", "quality"), help="cache of builds and runs")
     add("--split", choices=("dev", "test"), default="test", help="tune on dev, report on test")
@@ -391,7 +403,7 @@ def main(argv=None):
     add("--retrain", action="store_true", help="train again a run that finished")
     add("--build-only", action="store_true", help="build the target and data, stop")
     for f, v in asdict(Build()).items():
-        add("--target-" + f.replace("_", "-"), type=type(v), default=v, dest=f, help=f"Build.{f}")
+        add("--target-" + f.replace("_", "-"), type=type(v), default=v, dest=f, help=HELP[f])
     args = ap.parse_args(argv[:cut])
     if args.compare and cut < len(argv):
         ap.error("--compare: each configuration's flags go in it, none after --")

@@ -13,7 +13,6 @@ thinking on, a server whose first 8 finished answers carry no reasoning stops th
 of its lines is written. Failed requests are retried unless refused (HTTP 4xx but 408, 429); lines
 still failing go to OUT.failed.jsonl, exit status 1. Safe to kill: --resume asks only for the rest.
 """
-import argparse
 import asyncio
 import itertools
 import json
@@ -257,7 +256,7 @@ def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temp
     return n
 
 def main(argv=None):
-    ap = ArgParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgParser(description=__doc__)
     arg = ap.add_argument
     arg("--input", required=True, help="JSONL of messages, ShareGPT conversations or prompts")
     arg("--out", required=True, help="output JSONL, appended to; failures: OUT.failed.jsonl")

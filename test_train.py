@@ -149,7 +149,8 @@ def test_torchrun_pairs_gloo(tmp_path, nproc):
 
 
 def test_resume_continues_exactly(tmp_path):
-    """8 steps straight == 4 steps, a stop (killed after its step-4 checkpoint), --resume, 4 more."""
+    """8 steps straight == 4 steps, a stop (killed after its step-4 checkpoint), --resume with no flag
+    repeated (the run's own flags), 4 more."""
     flags = ["--max-steps", "8", "--log-interval", "1", "--eval-interval", "1000",
              "--save-interval", "4"]
     train(tmp_path / "a", *flags)
@@ -161,8 +162,9 @@ def test_resume_continues_exactly(tmp_path):
     p.kill()
     p.wait()
     assert p.returncode == -signal.SIGKILL       # killed before its end
-    resumed = train(b, *flags, "--resume")
+    resumed = train(b, "--resume")
     assert printed_steps(resumed) == [5, 6, 7, 8]  # it continued from the step-4 checkpoint
+    assert "changed: nothing" in resumed, resumed[-2000:]
     a_loss, b_loss = losses(tmp_path / "a"), losses(b)
     for s in (5, 6, 7, 8):
         assert abs(a_loss[s] - b_loss[s]) < 1e-5, (s, a_loss[s], b_loss[s])
@@ -916,6 +918,8 @@ ONE_LINE = {   # name: (flags, or a function of tmp_path giving them; what the l
                       "train/meta.json not found"),
     "out-not-a-dir": (lambda t: ["--out", (t / "file").write_text("") or t / "file" / "o"],
                       "[Errno 20] Not a directory"),
+    "target-not-a-checkpoint": (lambda t: ["--target", (t / "empty").mkdir() or t / "empty"],
+                                "/empty/config.json: a Hugging Face checkpoint dir holds config.json"),
 }
 
 
@@ -928,11 +932,19 @@ def copy_demo(tmp_path, broken):
 @pytest.mark.parametrize("name", ONE_LINE)
 def test_one_line_errors(tmp_path, name):
     """Each bad flag or file: exit code != 0, one line on stderr starting with "error:" and saying
-    what is wrong, no traceback (and no --resume advice)."""
+    what is wrong, no traceback (and no --resume advice); checked before --out is claimed, so
+    nothing is left behind."""
     flags, msg = ONE_LINE[name]
     flags = flags(tmp_path) if callable(flags) else flags
     line = one_line_error(run_apart(train_cmd(tmp_path / "out", "--max-steps", 1, *FAST, *flags)))
     assert msg in line and "--resume" not in line, line
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_input_reported_before_out_in_use(finished, tmp_path):
+    """An --out that holds a run does not mask a bad --data: the data's error comes first."""
+    line = one_line_error(run_apart(train_cmd(finished, *FAST, "--data", tmp_path / "nope")))
+    assert line.startswith(f"error: --data {tmp_path / 'nope'}: ") and "meta.json" in line, line
 
 
 @pytest.mark.parametrize("flags,msg", [
@@ -942,3 +954,57 @@ def test_one_line_errors(tmp_path, name):
 ])
 def test_generate_one_line_errors(flags, msg):
     assert one_line_error(run_apart(generate_cmd("--drafter", "out/drafter", *flags))).startswith(msg)
+
+
+# ==================================================================================================
+# watching a run: --wandb, plot.py, --help
+
+def test_wandb_and_plot(tmp_path):
+    """--wandb PROJECT (offline) writes a W&B run holding every train and eval record's numbers; plot.py
+    draws the run's curves from its log.jsonl into a PNG; the first compile is announced before it."""
+    wandb = pytest.importorskip("wandb")   # .ci/run installs it
+    env = {**clean_env(), "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"}
+    cmd = train_cmd(tmp_path / "o", "--max-steps", 4, "--log-interval", 2, "--eval-interval", 2, "--wandb",
+                    "dflash-test")
+    r = subprocess.run(cmd, cwd=HERE, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    assert lines.index(next(ln for ln in lines if ln.startswith("compiling the drafter step"))) < lines.index(
+        next(ln for ln in lines if "first step done" in ln))
+    (run,) = (tmp_path / "wandb").glob("offline-run-*")
+    from wandb.proto import wandb_internal_pb2
+    from wandb.sdk.internal import datastore
+    store = datastore.DataStore()
+    store.open_for_scan(str(next(run.glob("*.wandb"))))
+    history = []
+    while (data := store.scan_data()) is not None:
+        rec = wandb_internal_pb2.Record()
+        rec.ParseFromString(data)
+        if rec.WhichOneof("record_type") == "history":
+            history.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item})
+    log = [r for r in map(json.loads, open(tmp_path / "o" / "log.jsonl")) if r["kind"] in ("train", "eval")]
+    assert len(history) == 3 and [h["_step"] for h in history] == [0, 2, 4]    # evals 0, 2, 4; trains 2, 4
+    for rec in log:
+        h = next(h for h in history if h["_step"] == rec["step"])
+        assert h[f"{rec['kind']}/loss"] == pytest.approx(rec["loss"]) and h[f"{rec['kind']}/accept"] == pytest.approx(
+            rec["accept"])
+    pytest.importorskip("matplotlib")
+    r = subprocess.run([sys.executable, os.path.join(HERE, "plot.py"), tmp_path / "o"], capture_output=True,
+                       text=True, timeout=300)
+    png = tmp_path / "o" / "curves.png"
+    assert r.returncode == 0 and f"wrote {png}" in r.stdout, r.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+
+
+@pytest.mark.parametrize("cmd", ["train.py", "generate.py", "prepare.py", "regenerate.py", "quality.py", "plot.py"])
+def test_help_shows_defaults(cmd):
+    """Every command's --help gives each flag's default (those that have one)."""
+    r = subprocess.run([sys.executable, os.path.join(HERE, cmd), "--help"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    text = " ".join(r.stdout.split())
+    expect = {"train.py": ["tokens per packed row, fixed (default: 128)", "(default: dpace)", "(default: 0.0006)"],
+              "quality.py": ["dev and test prompts, each", "(default: 512)", "(default: test)"],
+              "generate.py": ["(default: "], "prepare.py": ["(default: "], "regenerate.py": ["(default: "],
+              "plot.py": ["(default: OUT/curves.png"]}[cmd]
+    assert all(e in text for e in expect), text

@@ -8,7 +8,6 @@ target -> drafter.
       --budget 8192      # 2 pairs
   torchrun --nproc_per_node=2 train.py --target qwen3.6-27b --anchors 512 --budget 8192  # preset
 """
-import argparse
 import functools
 import json
 import math
@@ -25,7 +24,7 @@ import torch.distributed as dist
 
 import checks
 import checkpoint
-from data import ArgParser, DataError, Packer, make_demo, number, open_dataset
+from data import ArgParser, DataError, Packer, make_demo, number, open_dataset, package
 from model import Drafter, DrafterConfig, drafter_loss, drafter_step, flex_kernel_options
 from model import sample_anchors
 from target import Target, TargetConfig, upload
@@ -34,7 +33,7 @@ t_launch = time.perf_counter()      # the log's elapsed time counts from here
 # -----------------------------------------------------------------------------
 # arguments. number(int, 1): an int >= 1; a bad flag stops the run with one line naming it
 
-parser = ArgParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser = ArgParser(description=__doc__)
 arg = parser.add_argument_group("data").add_argument
 arg("--data", help="prepared dataset dir (prepare.py); default: the demo, in ./data/demo")
 arg("--budget", type=number(int, 1), default=128, help="tokens per packed row, fixed")
@@ -74,6 +73,8 @@ arg("--out", default="out", help="output dir: log.jsonl, ckpt.pt, drafter/ (z-la
 arg("--log-interval", type=number(int, 1), default=10, help="steps between log lines")
 arg("--eval-interval", type=number(int, 1), default=100, help="steps between evals (and last)")
 arg("--save-interval", type=number(int, 1), default=500, help="steps between saves (and last)")
+arg("--wandb", metavar="PROJECT", help="also log every train and eval record to this Weights & "
+    "Biases project (pip install wandb)")
 either = group.add_mutually_exclusive_group().add_argument
 either("--resume", action="store_true", help="continue OUT/ckpt.pt exactly")
 either("--overwrite", action="store_true", help="start over in an --out that holds a run")
@@ -89,9 +90,15 @@ if args.epochs and args.max_steps:       # a flag a combination would ignore is 
     parser.error("--epochs and --max-steps: give one")
 if args.dpace_alpha is not None and args.loss != "dpace":
     parser.error("--dpace-alpha: for --loss dpace only")
-args.epochs = args.epochs or 6
 args.dpace_alpha = 0.5 if args.dpace_alpha is None else args.dpace_alpha
+if args.resume:
+    checkpoint.run_flags(parser, args)
+args.epochs = args.epochs or 6
 rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+try:
+    wandb = package("wandb", "--wandb") if args.wandb else None
+except DataError as e:
+    sys.exit(f"error: {e}")
 rank_cache, cache_dirs = checks.rank_caches(args.cache_dir, rank, args.fresh_cache)  # not shared
 checks.explain_stops(rank, args.out, cache_dirs)
 
@@ -135,11 +142,6 @@ def sync():
     if cuda:
         torch.cuda.current_stream(device).synchronize()
 
-# the output dir: one run at a time, none replaced by accident (checkpoint.py; the log rank's)
-ckpt_path = os.path.join(args.out, "ckpt.pt")
-if rank == log_rank:
-    checkpoint.claim(args.out, args.resume, args.overwrite, print0)
-
 # -----------------------------------------------------------------------------
 # configs, and the start-up self-check: before any update, this torch's compiled flex step must
 # equal the dense step on this run's mask kinds (checks.py), run in a second process meanwhile
@@ -147,6 +149,9 @@ if rank == log_rank:
 preset = not os.path.isdir(args.target)
 try:
     tcfg = TargetConfig.preset(args.target) if preset else TargetConfig.from_hf(args.target)
+except FileNotFoundError as e:
+    sys.exit(f"error: --target {args.target}: no {e.filename}: a Hugging Face checkpoint dir holds "
+             "config.json and its *.safetensors")
 except (ValueError, OSError) as e:   # an unknown preset, an unreadable or unsupported config.json
     sys.exit(f"error: --target {args.target}: {e}")
 try:
@@ -234,6 +239,12 @@ if runs_drafter:
         flex=flex_kernel_options(device) if cuda else None,
         dpace=args.dpace_alpha if args.loss == "dpace" else None)
 
+# the output dir, once the inputs are checked: one run at a time, none replaced by accident
+# (checkpoint.py; the log rank's)
+ckpt_path = os.path.join(args.out, "ckpt.pt")
+if rank == log_rank:
+    checkpoint.claim(args.out, args.resume, args.overwrite, print0)
+
 # -----------------------------------------------------------------------------
 # resume: the drafter ranks read the checkpoint, which must be of this run (checkpoint.identity);
 # every rank learns the step from the log rank
@@ -290,6 +301,8 @@ print0(f"anchors: up to {per_doc} per document, {row_anchors} per row ("
        f"{dropped:.1%} of the anchors asked for"
        + ("; raise --row-anchors to keep them" if dropped > 0.05 else ""))
 log_file = open(os.path.join(args.out, "log.jsonl"), "a") if rank == log_rank else None
+wandb = wandb and rank == log_rank and wandb.init(project=args.wandb, config=vars(args),
+                                                  name=os.path.basename(os.path.abspath(args.out)))
 
 def log(record, line):
     # the record first: a step a user saw on screen is on disk too, whatever kills the job next
@@ -297,6 +310,9 @@ def log(record, line):
     if log_file:
         log_file.write(json.dumps(record) + "\n")
         log_file.flush()
+    if wandb and record["kind"] in ("train", "eval"):   # numbers only, as kind/name
+        wandb.log({f"{record['kind']}/{k}": v for k, v in record.items()
+                   if isinstance(v, (int, float))}, step=record["step"])
     print0(line)
 
 # =============================================================================
@@ -494,6 +510,8 @@ if args.resume:     # what a resumed run's later records supersede (README: Read
 log(dict(kind="start", step=start_step, resume=args.resume, processes=world, pairs=n_pairs,
          changed=changed, args=vars(args), truncated=dict(
              samples=packer.truncated, tokens=packer.truncated_tokens, supervised=lost)), line)
+if not args.no_compile:
+    print0("compiling the drafter step: about a minute the first time, seconds once cached")
 train_sums, eval_sums = {}, {}
 nonfinite_rows = torch.zeros(args.log_interval, 3, dtype=torch.long, device=device)  # bad?, where
 step_marks, t_window = [], time.perf_counter()
