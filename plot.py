@@ -19,7 +19,7 @@ def curves(out):
         for r in map(json.loads, f):
             if r["kind"] in ("train", "eval"):
                 last[r["kind"], r["step"]] = r
-    return {kind: {k: [(s, r[k]) for (kd, s), r in sorted(last.items()) if kd == kind]
+    return {kind: {k: [(s, r[k]) for (kd, s), r in sorted(last.items()) if kd == kind and k in r]
                    for k in ("loss", "accept", "lr", "tok_s")} for kind in ("train", "eval")}
 
 def main(argv=None):
@@ -37,8 +37,8 @@ def main(argv=None):
             sys.exit(f"error: {out}/log.jsonl not found: pass train.py's --out dirs")
         for kind, c in curves(out).items():
             for ax, k in zip(axes, ("loss", "accept", "lr", "tok_s")):
-                if c[k] and not (kind == "eval" and k in ("lr", "tok_s")):
-                    ax.plot(*zip(*c[k]), label=f"{out} {kind}", marker="." if kind == "eval" else None)
+                if c[k]:
+                    ax.plot(*zip(*c[k]), label=f"{os.path.basename(os.path.normpath(out))} {kind}", marker="." if kind == "eval" else None)
     for ax, title in zip(axes, ("loss", "acceptance proxy (blocks)", "learning rate", "tokens/s")):
         ax.set_title(title), ax.set_xlabel("step"), ax.legend(fontsize=7)
     png = args.png or os.path.join(args.outs[0], "curves.png")
