@@ -11,6 +11,7 @@ A dataset is a directory of flat arrays, memory-mapped on open so a 100 GB corpu
 prepare.py and the demo write DIR/train and (with a held-out split) DIR/val.
 """
 import argparse
+import fcntl
 import importlib
 import json
 import os
@@ -322,31 +323,34 @@ def make_demo(out_dir, samples=384, val_samples=32, new_tokens=48, seed=0, log=p
     DFlash trains, so the acceptance proxy is real acceptance against it. Reused if already made."""
     want = dict(demo="tiny", samples=samples, val_samples=val_samples, new_tokens=new_tokens,
                 seed=seed)
-    try:
-        if all(open_dataset(os.path.join(out_dir, s)).meta.get("source") == want
-               for s in ("train", "val")):
-            log(f"reusing the demo in {out_dir}")
-            return out_dir
-    except (OSError, ValueError):
-        pass  # not there, or not this demo: make it (Writer refuses to overwrite without force)
-    import torch
-    from target import Target, TargetConfig
-    rng, n, t0 = np.random.default_rng(seed), samples + val_samples, time.time()
-    cfg = TargetConfig.preset("tiny")
-    model = Target.build(cfg)
-    prompts = [torch.from_numpy(rng.integers(1, cfg.vocab_size, rng.integers(8, 25)))
-               for _ in range(n)]
-    # decoded (Target.greedy) on the CPU in fp32 whatever device trains: the same demo everywhere;
-    # in one thread: this small a target's ops only pay a second thread's sync overhead
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        seqs = model.eval().greedy(prompts, new_tokens)
-    finally:
-        torch.set_num_threads(threads)
-    rows = [(s[:len(p) + new_tokens].numpy(), np.arange(len(p) + new_tokens) >= len(p))
-            for s, p in zip(seqs, prompts)]
-    for split, part in (("train", rows[:samples]), ("val", rows[samples:])):
-        m = write_dataset(os.path.join(out_dir, split), part, cfg.vocab_size, source=want)
-        log(f"demo: wrote {out_dir}/{split}: {m['n_samples']} samples, {time.time() - t0:.1f}s")
-    return out_dir
+    os.makedirs(os.path.dirname(os.path.abspath(out_dir)), exist_ok=True)
+    with open(os.path.abspath(out_dir) + ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)     # processes side by side: one builds, the rest reuse
+        try:
+            if all(open_dataset(os.path.join(out_dir, s)).meta.get("source") == want
+                   for s in ("train", "val")):
+                log(f"reusing the demo in {out_dir}")
+                return out_dir
+        except (OSError, ValueError):
+            pass  # not there, or not this demo: make it (Writer refuses to overwrite without force)
+        import torch
+        from target import Target, TargetConfig
+        rng, n, t0 = np.random.default_rng(seed), samples + val_samples, time.time()
+        cfg = TargetConfig.preset("tiny")
+        model = Target.build(cfg)
+        prompts = [torch.from_numpy(rng.integers(1, cfg.vocab_size, rng.integers(8, 25)))
+                   for _ in range(n)]
+        # decoded (Target.greedy) on the CPU in fp32 whatever device trains: the same demo
+        # everywhere; in one thread: this small a target's ops only pay a second thread's sync
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            seqs = model.eval().greedy(prompts, new_tokens)
+        finally:
+            torch.set_num_threads(threads)
+        rows = [(s[:len(p) + new_tokens].numpy(), np.arange(len(p) + new_tokens) >= len(p))
+                for s, p in zip(seqs, prompts)]
+        for split, part in (("train", rows[:samples]), ("val", rows[samples:])):
+            m = write_dataset(os.path.join(out_dir, split), part, cfg.vocab_size, source=want)
+            log(f"demo: wrote {out_dir}/{split}: {m['n_samples']} samples, {time.time() - t0:.1f}s")
+        return out_dir
