@@ -174,6 +174,15 @@ class _WeightedCE(torch.autograd.Function):
         (dh,) = ctx.saved_tensors
         return (dh * g_loss).to(dh.dtype), None, None, None, None, None, None
 
+def plain_ce(h, weight, labels, w, B, dpace=None):
+    """_WeightedCE's value as plain autograd over full-vocab logits [rows, vocab] at once: the
+    reference, and where to prototype another loss (ce_chunk=0; train.py --plain-loss)."""
+    logits = (h @ weight.t()).float()
+    ce = F.cross_entropy(logits, labels, reduction="none")
+    if dpace is not None:
+        w = dpace_weights((-ce.detach()).exp().view(-1, B), w.view(-1, B) > 0, dpace).view(-1)
+    return (w * ce.masked_fill(w == 0, 0.0)).sum(), logits.argmax(-1)
+
 # -----------------------------------------------------------------------------
 # 4) the drafter
 
@@ -380,7 +389,8 @@ class Drafter(nn.Module):
         """Masked training forward over one packed row: feats [S, n_feat*H]; tokens, loss_mask,
         doc, pos [S]; anchors, keep [N] (sample_anchors); embed, head the target's [vocab, H];
         flex None (dense mask + SDPA, CPU) or kernel options with blocks = block_lists(...) (GPU);
-        dpace=alpha: D-PACE's weights, no decay. -> the loss, acceptance and slot sums (device)"""
+        dpace=alpha: D-PACE's weights, no decay; ce_chunk 0: plain_ce. -> the loss, acceptance and
+        slot sums (device)"""
         c, S, N, B = self.config, tokens.shape[0], anchors.shape[0], self.config.block_size
         k = torch.arange(B, device=tokens.device)
         idx = anchors[:, None] + k                         # [N, B] absolute positions of the block
@@ -403,7 +413,8 @@ class Drafter(nn.Module):
             w, chunk = supervised.float(), max(B, ce_chunk // B * B)
             d = doc[anchors]
             norm = (keep & torch.cat([keep[:1], d[1:] != d[:-1]])).sum().clamp(min=1)
-        wce, pred = _WeightedCE.apply(h, head, labels.view(-1), w.view(-1), chunk, B, dpace)
+        wce, pred = (_WeightedCE.apply(h, head, labels.view(-1), w.view(-1), chunk, B, dpace)
+                     if ce_chunk else plain_ce(h, head, labels.view(-1), w.view(-1), B, dpace))
         correct = (pred.view(N, B) == labels) & supervised
         accepted = 1 + correct[:, 1:].long().cumprod(1).sum(1)  # anchor + leading correct slots
         return dict(loss=wce / norm, accept_sum=(accepted * keep).sum(),
@@ -561,4 +572,5 @@ def drafter_step(drafter, feats, row, *, per_doc, capacity, loss=drafter_loss, *
     anchors, keep, wanted = sample_anchors(row["loss_mask"], row["doc"], per_doc, capacity)
     blocks = (block_lists(drafter.config, anchors, keep, row["doc"], row["doc"].shape[0])
               if kw.get("flex") is not None else None)
-    return loss(drafter, feats, row, anchors=anchors, keep=keep, blocks=blocks, **kw), wanted
+    with torch.enable_grad():   # one graph: an eval under no_grad would be another (a recompile)
+        return loss(drafter, feats, row, anchors=anchors, keep=keep, blocks=blocks, **kw), wanted

@@ -9,6 +9,7 @@ Nothing here needs a GPU or the network; transformers/tokenizers are test-only d
 """
 import asyncio
 import collections
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -1100,6 +1101,27 @@ def test_weighted_ce_matches_autograd(chunk):
     assert torch.equal(pred, logits.argmax(-1)) and not pred.requires_grad
 
 
+@pytest.mark.parametrize("dpace", [None, 0.5])
+def test_plain_loss_equals_chunked(drafter_rows, dpace):
+    """Drafter.forward's reference loss (ce_chunk=0: model.plain_ce, plain autograd over full-vocab logits,
+    train.py --plain-loss) == the chunked _WeightedCE it stands for: loss, metrics and every gradient, with
+    the published loss and with D-PACE, on rows with padded slots and masked labels."""
+    t, d, rows = drafter_rows
+    for r in rows:
+        outs, grads = [], []
+        for chunk in (0, 7):
+            d.zero_grad()
+            out = forward(d, t, r, ce_chunk=chunk, dpace=dpace)
+            out["loss"].backward()
+            outs.append(out)
+            grads.append({n: p.grad.clone() for n, p in d.named_parameters()})
+        assert outs[0]["loss"].item() == pytest.approx(outs[1]["loss"].item(), rel=1e-5)
+        for k in ("accept_sum", "blocks", "slot_correct", "slot_count"):
+            assert torch.equal(outs[0][k], outs[1][k]), k
+        for n in grads[0]:
+            assert rel_err(grads[0][n], grads[1][n]) < 1e-4, n
+
+
 def test_drafter_flops_count_every_matmul(drafter_rows):
     # Drafter.flops, bench.py's MFU numerator, == the GEMM FLOPs torch's FlopCounterMode sees in a
     # real step (fwd + bwd). CPU SDPA is not among the counted ops: flops' visible (default None)
@@ -1109,6 +1131,28 @@ def test_drafter_flops_count_every_matmul(drafter_rows):
     with FlopCounterMode(display=False) as fc:
         forward(d, t, r)["loss"].backward()
     assert fc.get_flop_counts()["Global"][torch.ops.aten.mm] == d.flops(r["S"], len(r["anchors"]))
+
+
+def test_eval_under_no_grad_reuses_the_graph(drafter_rows, monkeypatch):
+    """An eval of the compiled step under torch.no_grad() (the habit) runs train.py's one graph: no
+    recompile (an error once warm), the same metrics as the eval with grad on."""
+    t, d, rows = drafter_rows
+    r = rows[0]
+    row = {k: r[k] for k in ("tokens", "loss_mask", "doc", "pos")}
+    torch._dynamo.reset()
+    fn = torch.compile(model.drafter_loss, fullgraph=True, dynamic=False)
+    kw = dict(per_doc=4, capacity=8, embed=t.embed_tokens.weight, head=t.lm_head.weight, loss=fn)
+    torch.manual_seed(0)
+    model.drafter_step(d, r["feats"], row, **kw)[0]["loss"].backward()       # compiles, trains
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    outs = []
+    for ctx in (contextlib.nullcontext(), torch.no_grad(), torch.inference_mode(False)):
+        with ctx:
+            torch.manual_seed(1)
+            outs.append(model.drafter_step(d, r["feats"], row, **kw)[0])
+    for o in outs[1:]:
+        assert all(torch.equal(o[k], outs[0][k]) for k in outs[0]), (o, outs[0])
+    torch._dynamo.reset()
 
 
 def test_compiled_step_holds_one_chunk_of_logits():

@@ -80,6 +80,8 @@ either("--resume", action="store_true", help="continue OUT/ckpt.pt exactly")
 either("--overwrite", action="store_true", help="start over in an --out that holds a run")
 arg = parser.add_argument_group("system").add_argument
 arg("--no-compile", action="store_true", help="eager drafter step (debugging; dense flex bwd)")
+arg("--plain-loss", action="store_true", help="the loss in plain autograd over full-vocab logits "
+    "(model.plain_ce: prototype a loss there; N*B x vocab floats of memory)")
 arg("--no-cuda-graphs", action="store_true", help="no CUDA graph replays of launch-bound passes")
 arg("--cache-dir", help="root of the per-rank Triton/Inductor caches (/tmp/dflash-cache-USER)")
 arg("--fresh-cache", action="store_true", help="empty this run's Triton/Inductor caches first")
@@ -237,7 +239,8 @@ if runs_drafter:
         drafter_step, drafter, per_doc=per_doc, capacity=row_anchors, loss=loss_fn,
         embed=target.embed_tokens.weight, head=target.lm_head.weight, gamma=args.gamma,
         flex=flex_kernel_options(device) if cuda else None,
-        dpace=args.dpace_alpha if args.loss == "dpace" else None)
+        dpace=args.dpace_alpha if args.loss == "dpace" else None, ce_chunk=0 if args.plain_loss
+        else 1024)
 
 # the output dir, once the inputs are checked: one run at a time, none replaced by accident
 # (checkpoint.py; the log rank's)
