@@ -380,6 +380,38 @@ def test_bad_checkpoint_and_nonfinite(tmp_path):
     assert "stopping" in msg, msg[-3000:]
 
 
+def test_nonfinite_skipped_whatever_the_optimizer(tmp_path):
+    """A fork that swaps AdamW for SGD with momentum (no found_inf) and gets one infinite gradient at its
+    third update: that update is skipped and logged, the run ends with finite weights, and the curve
+    before it is the unedited SGD fork's."""
+    curves = {}
+    for name, inject in (("clean", False), ("inf", True)):
+        fork = tmp_path / name
+        fork.mkdir()
+        for f in ("train.py", "model.py", "data.py", "checks.py", "checkpoint.py", "target.py"):
+            shutil.copy(os.path.join(HERE, f), fork / f)
+        src = (fork / "train.py").read_text()
+        swap = ("opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, fused=True)",
+                "opt = torch.optim.SGD(params, lr=args.lr, momentum=0.9)")
+        hit = ('    out["loss"].backward()\n',
+               '    out["loss"].backward()\n    calls.append(1)\n    if len(calls) == 3:\n'
+               '        params[0].grad.view(-1)[0] = float("inf")\n')
+        assert swap[0] in src and hit[0] in src
+        src = src.replace(*swap).replace("def update(", "calls = []\n\ndef update(")
+        (fork / "train.py").write_text(src.replace(*hit) if inject else src)
+        flags = ["--out", fork / "o", "--max-steps", 6, "--log-interval", 2, "--eval-interval", 1000, "--lr",
+                 0.05, "--data", demo_data()]
+        r = subprocess.run([sys.executable, fork / "train.py", *map(str, flags)],
+                           cwd=fork, env=clean_env(), capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        curves[name] = losses(fork / "o")
+    assert [r["rows"] for r in train_log(tmp_path / "inf" / "o", "nonfinite")] == [[[3, 0, 2]]]
+    assert curves["inf"][2] == curves["clean"][2]                    # the steps before it alike
+    assert all(math.isfinite(v) for v in curves["inf"].values()) and curves["inf"][6] != curves["clean"][6]
+    weights = torch.load(tmp_path / "inf" / "o" / "ckpt.pt", weights_only=False)["drafter"]
+    assert all(torch.isfinite(v).all() for v in weights.values())
+
+
 def drafter_pids(out):
     """The pids of the local-rank-1 (drafter) processes of a torchrun job of train.py --out OUT."""
     pids = []

@@ -227,6 +227,7 @@ if runs_drafter:
     # fp32 parameters (AdamW's master weights); the step computes in bf16 on GPU
     params = list(drafter.parameters())
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, fused=True)
+    device_skip = bool(opt.defaults.get("fused"))   # it reads opt.found_inf (update())
     loss_fn = drafter_loss
     if not args.no_compile:
         # a recompile after warm-up, or a hit recompile limit, would silently run flex_attention's
@@ -388,9 +389,9 @@ def unpack_row(packed):
 def update(feats, packed, lr):
     """One optimizer step on one row at learning rate lr: the drafter step (anchors, compiled
     forward), backward, gradient all-reduce, clip, AdamW. Returns the step's metrics, with its
-    non-finite flag (then AdamW skipped the update), as device tensors. Keep it capture-safe: no
-    host sync here (no .item(), no Python branch on a tensor value), as a launch-bound run
-    replays it from a CUDA graph (speedups.UpdateGraph)."""
+    non-finite flag (then the update was skipped), as device tensors. Keep it capture-safe: no
+    host sync here with a fused optimizer (no .item(), no Python branch on a tensor value), as a
+    launch-bound run replays it from a CUDA graph (speedups.UpdateGraph)."""
     for g in opt.param_groups:
         g["lr"] = lr
     out, wanted = step_fn(feats, unpack_row(packed))
@@ -400,8 +401,11 @@ def update(feats, packed, lr):
             dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=drafter_group)
     gnorm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
     nonfinite = ~(torch.isfinite(gnorm) & torch.isfinite(out["loss"]))
-    opt.found_inf = nonfinite.float()      # fused AdamW skips the update on device: no host sync
-    opt.step()
+    if device_skip:         # torch's fused optimizers skip on device: no host sync
+        opt.found_inf = nonfinite.float()
+        opt.step()
+    elif not nonfinite.item():     # any other optimizer: the host decides (no CUDA-graph replay)
+        opt.step()
     opt.zero_grad(set_to_none=True)
     # blocks: anchors kept; wanted: asked for before the capacity cut; gnorm: every drafter's
     return dict(out, loss=out["loss"].detach().nan_to_num(0.0), wanted=wanted, nonfinite=nonfinite,
@@ -519,8 +523,8 @@ train_sums, eval_sums = {}, {}
 nonfinite_rows = torch.zeros(args.log_interval, 3, dtype=torch.long, device=device)  # bad?, where
 step_marks, t_window = [], time.perf_counter()
 # on GPU the third step is timed for a CUDA-graph replay (one pair: no all-reduce in it)
-updates = (speedups.UpdateGraph(update, opt, 3, print0) if graphs_wanted and n_pairs == 1
-           else update)
+updates = (speedups.UpdateGraph(update, opt, 3, print0)
+           if graphs_wanted and n_pairs == 1 and device_skip else update)
 
 for step, kind, r in schedule(start_step):
     if kind == "save" and rank == log_rank:
