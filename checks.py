@@ -19,7 +19,7 @@ import warnings
 
 import torch
 
-from model import SLIDING, DrafterConfig, block_lists, flex_kernel_options, row_attention
+from model import SLIDING, TILE, DrafterConfig, block_lists, flex_kernel_options, row_attention
 
 def rank_caches(root, rank, fresh=False):
     # this rank's cache dir, its Triton and Inductor caches (unless set): before anything compiles
@@ -110,28 +110,38 @@ def fused_backward(kinds):
                            f"for each of the {kinds} layer kinds (saw {seen}); refusing to train "
                            "on the dense fallback (~17 GB per layer at 512 anchors / 8192 budget)")
 
+def check_row(B, device):
+    """The self-check's row: 3 documents, anchors at random, at the documents' starts (empty
+    contexts), 2 padded slots, and a run of 2 * 128 / B consecutive anchors deep in the 700-token
+    document, so a 128-query tile sees whole 128-key tiles of context: flex skips mask_mod on such
+    full tiles (anchor_blocks' lists alone decide them), as on every long real row.
+    -> (S, doc, anchors, keep)"""
+    lens, N, late = (700, 200, 124), 40, 2 * -(-TILE // B)
+    doc = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)).to(device)
+    pos = torch.arange(sum(lens), device=device)
+    inside = torch.nonzero((doc[1:] == doc[:-1]) & ((pos[:-1] < 590) | (pos[:-1] >= 620))).view(-1)
+    picked = inside[torch.randperm(len(inside), device=device)[:N - 5 - late]]
+    starts = torch.tensor([0, lens[0], lens[0] + lens[1]], device=device)
+    anchors = torch.cat([picked, starts, 600 + torch.arange(late, device=device)]).sort().values
+    anchors = torch.cat([anchors, torch.zeros(2, dtype=torch.long, device=device)])
+    return sum(lens), doc, anchors, torch.arange(len(anchors), device=device) < len(anchors) - 2
+
 def flex_matches_dense(config, device, kernel_options=None, candidate=None):
     """Compiled flex_attention with THE mask of each layer kind, built as the step builds it, vs
-    dense SDPA (fp32, no TF32): outputs and q, k, v gradients of a random linear loss, a 512-token
-    row of 3 documents, anchors at their starts and padded slots (window cut to 100 so it binds).
+    dense SDPA (fp32, no TF32): outputs and q, k, v gradients of a random linear loss on check_row
+    (sliding windows cut to 300 so they bind and still leave full tiles).
     candidate(config, anchors, keep, doc, S) -> {kind: attend} replaces compiled flex (tests)."""
-    t0, S, N, lens = time.perf_counter(), 512, 24, (150, 230, 132)
-    H, KVH, kinds = config.num_attention_heads, config.num_key_value_heads, list(config.windows())
+    t0, H, KVH, kinds = (time.perf_counter(), config.num_attention_heads,
+                         config.num_key_value_heads, list(config.windows()))
     c = DrafterConfig(num_attention_heads=H, num_key_value_heads=KVH, head_dim=config.head_dim,
                       block_size=config.block_size, num_hidden_layers=len(kinds), layer_types=kinds,
-                      sliding_window=min(config.sliding_window, 100) if SLIDING in kinds else None)
-    Q, KV = N * c.block_size, S + N * c.block_size
+                      sliding_window=min(config.sliding_window, 300) if SLIDING in kinds else None)
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     with torch.random.fork_rng(devices=[device] if torch.device(device).type == "cuda" else []):
         torch.manual_seed(0)
-        doc = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)).to(device)
-        inside = torch.nonzero(doc[1:] == doc[:-1]).view(-1)   # positions with a next token
-        picked = inside[torch.randperm(len(inside), device=device)[:N - 5]]
-        starts = torch.tensor([0, lens[0], lens[0] + lens[1]], device=device)  # empty contexts
-        anchors = torch.cat([picked, starts, torch.zeros(2, dtype=torch.long, device=device)])
-        anchors[:-2] = anchors[:-2].sort().values
-        keep = torch.arange(N, device=device) < N - 2        # 2 padded slots, as sample_anchors'
+        S, doc, anchors, keep = check_row(c.block_size, device)
+        Q, KV = len(anchors) * c.block_size, S + len(anchors) * c.block_size
         # per kind: q [1, heads, Q, hd], k and v [1, kv heads, KV, hd], the loss weights of o
         data = {kind: [torch.randn(1, h, n, c.head_dim, device=device)
                        for h, n in ((H, Q), (KVH, KV), (KVH, KV), (H, Q))] for kind in kinds}

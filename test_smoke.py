@@ -50,6 +50,7 @@ from data import DataError, Packer, open_dataset, write_dataset
 from model import (FULL, SLIDING, Drafter, DrafterConfig, anchor_blocks, anchor_mask_mod, block_lists,
                    config_from_json, default_target_layer_ids, drafter_rope, row_attention,
                    sample_anchors)
+import checks
 from checks import flex_matches_dense
 from target import (MOE_FIELDS, Docs, MoE, Target, TargetConfig, _chunk_indices, dequantize_fp8,
                     expert_linear, positions_from_cu, rope_cos_sin, rope_inv_freq, torch_chunk_gated_delta_rule)
@@ -2688,6 +2689,44 @@ def test_self_check_plumbing():
         out_err, grad_err, _ = flex_matches_dense(probe_config(), "cpu", candidate=wrong(delta))
         assert out_err > 1e-3 and grad_err > 1e-3, (delta, out_err, grad_err)
     assert torch.equal(torch.get_rng_state(), rng)                  # the caller's random stream is untouched
+
+
+def flex_emulated(c, anchors, keep, doc, S):
+    """flex_attention's block-sparse semantics in dense SDPA: every key of a full tile visible, mask_mod
+    evaluated in partial tiles only, the other tiles hidden; the tiles from block_lists, as the step
+    builds them. The check's CPU stand-in for compiled flex."""
+    B, lists, attend = c.block_size, block_lists(c, anchors, keep, doc, S), {}
+    Q, KV = len(anchors) * B, S + len(anchors) * B
+    q, kv = torch.arange(Q)[:, None], torch.arange(KV)[None, :]
+    for kind, w in c.windows().items():
+        kv_num, kv_idx, full_num, full_idx = (x[0, 0] for x in lists[kind][:4])
+        tiles = torch.zeros(kv_num.shape[0], -(-KV // model.TILE), dtype=torch.long)   # 1 partial, 2 full
+        for r in range(kv_num.shape[0]):
+            tiles[r, kv_idx[r, :kv_num[r]]], tiles[r, full_idx[r, :full_num[r]]] = 1, 2
+        t = tiles[q // model.TILE, kv // model.TILE]
+        mask = model.anchor_mask_mod(anchors, keep, doc, S, B, w)(0, 0, q, kv)
+        attend[kind] = model._dense_attention((t == 2) | ((t == 1) & mask))
+    return attend
+
+
+def test_self_check_catches_a_one_sided_mask_edit(monkeypatch):
+    """The self-check's row has fully visible tiles for every layer kind, so an edit of anchor_mask_mod not
+    mirrored in anchor_blocks (here: context keys 64..69 hidden) fails the check, as compiled flex skips
+    mask_mod on full tiles: shown with flex's semantics emulated densely (the GPU run: RESULTS.md)."""
+    c = probe_config()
+    S, doc, anchors, keep = checks.check_row(c.block_size, "cpu")
+    short = DrafterConfig(**{**vars(c), "sliding_window": 300})      # the check cuts the window to 300
+    for kind, w in short.windows().items():
+        assert anchor_blocks(anchors, keep, doc, S, c.block_size, w)[2].sum() > 0, kind   # full tiles
+    assert max(flex_matches_dense(c, "cpu", candidate=flex_emulated)[:2]) < 1e-5
+    real = model.anchor_mask_mod
+
+    def edited(anchors, keep, doc, S, B, window=0):
+        mask_mod = real(anchors, keep, doc, S, B, window)
+        return lambda b, h, q_idx, kv_idx: mask_mod(b, h, q_idx, kv_idx) & ~((kv_idx >= 64) & (kv_idx < 70))
+    monkeypatch.setattr(model, "anchor_mask_mod", edited)
+    out_err, grad_err, _ = flex_matches_dense(c, "cpu", candidate=flex_emulated)
+    assert out_err > 1e-3 and grad_err > 1e-3, (out_err, grad_err)
 
 
 def test_block_lists_per_kind():
