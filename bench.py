@@ -4,7 +4,6 @@ GPU checks and measurements (needs CUDA and fla-core; not part of the CPU test s
   python bench.py check     # fla, CUDA graphs, grouped GEMM, compiled flex == their references
   python bench.py target [--target qwen3.5-35b-a3b]   # the forward: ms, MFU, memory
   python bench.py drafter --anchors 512 [--sliding-window 0]   # train.py's step alone
-  python bench.py pair --anchors 512 --budget 8192 --steps 30 [--runs one]   # train.py itself
 """
 import gc
 import json
@@ -26,17 +25,12 @@ from data import ArgParser
 
 p = ArgParser(description=__doc__)
 arg = p.add_argument
-arg("what", choices=["check", "target", "drafter", "pair"])
-arg("--anchors", type=int, default=512, help="draft blocks per row (drafter), per document (pair)")
-arg("--row-anchors", type=int, default=0, help="pair: train.py's (0: measured from the data)")
+arg("what", choices=["check", "target", "drafter"])
+arg("--anchors", type=int, default=512, help="draft blocks per row")
 arg("--budget", type=int, default=8192, help="tokens per row")
 arg("--target", default="qwen3.6-27b", help="preset, random weights: qwen3.6-27b, qwen3.5-35b-a3b")
 arg("--drafter-layers", type=int, help="drafter layers (default: z-lab's published drafter's)")
 arg("--sliding-window", type=int, help="drafter window (default: published); 0: all full")
-arg("--steps", type=int, default=30, help="pair: steps per train.py run")
-arg("--timeout", type=float, default=600, help="pair: seconds allowed for each train.py run")
-arg("--runs", choices=["one", "pair", "one,pair"], metavar="one|pair|one,pair",
-    help="pair: train.py on 1 GPU (both roles), on 2 (a pair), or both (default with 2 GPUs)")
 arg("--out", default=os.path.join(tempfile.gettempdir(), "dflash-bench"), help="scratch dir")
 args, dev, bf16 = p.parse_args(), torch.device("cuda"), torch.bfloat16
 TRAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")
@@ -208,57 +202,3 @@ elif args.what == "drafter":
           f"{'|---' * 8}|\n| {N} | {S} | {compile_s:.0f} | {ms:.0f} | {fl / 1e12:.0f} | "
           f"{fl / (ms * 1e-3) / peak:.1%} | {torch.cuda.max_memory_allocated() / 2**30:.1f} | "
           f"{seen if fused else f'NOT SEEN ({seen})'} |\nflex kernels at {N}x{S}: {split}")
-
-elif args.what == "pair":
-    data, S = os.path.join(args.out, "data-short"), args.budget
-    if not os.path.exists(os.path.join(data, "train", "meta.json")):
-        from data import write_dataset
-        rng = np.random.default_rng(0)
-        for split, n in (("train", 400), ("val", 8)):
-            docs = [rng.integers(0, tcfg.vocab_size, int(rng.integers(1024, 3072)))
-                    for _ in range(n)]
-            write_dataset(os.path.join(data, split), [(t, np.arange(len(t)) >= len(t) // 2)
-                                                      for t in docs], tcfg.vocab_size, force=True)
-    flags = dict(target=args.target, data=data, anchors=args.anchors, row_anchors=args.row_anchors,
-                 budget=S, max_steps=args.steps, log_interval=max(1, args.steps // 3),
-                 eval_interval=100000, save_interval=100000, eval_rows=1,
-                 sliding_window=args.sliding_window, drafter_layers=args.drafter_layers)
-    train = [TRAIN, "--overwrite"] + [f"--{k.replace('_', '-')}={v}" for k, v in flags.items()
-                                      if v is not None]
-    runs = {"one": [sys.executable] + train, "pair": ["torchrun", "--nproc_per_node=2"] + train}
-    recs = {}
-    for name in (args.runs or ("one,pair" if torch.cuda.device_count() > 1 else "one")).split(","):
-        out, path = os.path.join(args.out, name), os.path.join(args.out, name, "log.jsonl")
-        if os.path.exists(path):        # a run that dies early must not leave an old log to read
-            os.remove(path)
-        print("$ " + " ".join(runs[name] + ["--out", out]), flush=True)
-        proc = subprocess.Popen(runs[name] + ["--out", out], start_new_session=True)
-        try:
-            print(f"{name}: exit code {proc.wait(timeout=args.timeout)}")
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)      # torchrun and every rank it started
-            print(f"{name}: killed after {args.timeout:.0f} s")
-        lines = [r for r in map(json.loads, open(path)) if r["kind"] == "train"] if os.path.exists(
-            path) else []
-        if lines:   # steady state: the last full log window after the one that compiled
-            recs[name] = lines[-2] if len(lines) > 2 else lines[-1]
-    peak, n_run = matmul_peak(), max(dcfg.target_layer_ids) + 1
-    with torch.device("meta"):
-        tmeta, dmeta = Target(tcfg, n_layers=n_run, head=False), Drafter(dcfg)
-    cu, doc, pos = packed_row(S, max(2, S // 2048))
-    print(f"\n{torch.cuda.get_device_name()} | torch {torch.__version__} | matmul peak "
-          f"{peak / 1e12:.0f} TFLOP/s | --anchors {args.anchors} --row-anchors {args.row_anchors} "
-          f"--budget {S} | 1-3K-token documents | target {args.target} | drafter "
-          f"layers {dcfg.layer_types} | {time.strftime('%F')}\n| measure | value |\n|---|---|")
-    for name, r in recs.items():
-        # the drafter at its compiled shape: every anchor slot of the row goes through the matmuls
-        fl_d = drafter_flops(dmeta, S, r["row_anchors"], doc, pos, torch.ones(S, device=dev))
-        mfu_t = tmeta.flops(cu, n_run) / (r["ms_target"] * 1e-3) / peak
-        print(f"| {name}: step | {r['ms_step']:.0f} ms: {r['tok_s']:.0f} context tok/s, "
-              f"{r['blocks_s']:.0f} supervised blocks/s |\n| {name}: target fwd / drafter wait / "
-              f"drafter step | {r['ms_target']:.0f} (MFU {mfu_t:.0%}) / {r['ms_wait']:.0f} / "
-              f"{r['ms_drafter']:.0f} ms (MFU {fl_d / (r['ms_drafter'] * 1e-3) / peak:.0%}) |\n"
-              f"| {name}: busy target GPU / drafter GPU | {r['busy_target']:.0%} / "
-              f"{r['busy_drafter']:.0%} |\n| {name}: peak memory per GPU | "
-              f"{' / '.join(f'{m:.1f}' for m in r['mem_gib'])} GiB |\n| {name}: compiled graphs "
-              f"on the drafter rank (train and eval) | {r.get('graphs')} |")
