@@ -17,8 +17,8 @@ from unittest import mock
 import numpy as np
 import torch
 import checks
-import speedups
-from target import Target, TargetConfig, _chunk_indices, per_expert_linear, positions_from_cu
+from layers import positions_from_cu
+from target import Target, TargetConfig, per_expert_linear
 from model import Drafter, DrafterConfig, drafter_loss, drafter_step, flex_kernel_options
 from model import sample_anchors
 from data import ArgParser
@@ -74,7 +74,7 @@ def drafter_flops(drafter, S, N, doc, pos, loss_mask):
 if args.what == "check":
     # 1) fla (bf16; configs compiled at once as in train.py) == plain torch (fp32) on a packed row,
     # dense and MoE (top-k = all: bf16 and fp32 router logits pick other experts at near ties)
-    wrapped = speedups.fla_configs_at_once()
+    wrapped = Target.compile_kernels()
     toy = dict(vocab_size=1024, hidden_size=1024, intermediate_size=2048, num_hidden_layers=4,
                num_attention_heads=8, num_key_value_heads=2, linear_num_key_heads=4,
                linear_num_value_heads=12)
@@ -100,13 +100,9 @@ if args.what == "check":
           f"not compiled at once: {bare or 'none'}")
     assert tuned and not bare and Autotuner.run.__qualname__ == "Autotuner.run", (
         "an autotuned kernel of the target's forward did not compile its configs at once")
-    # the varlen chunk list the target hands fla (made on the host) is fla's own
-    from fla.ops.utils import prepare_chunk_indices
-    assert torch.equal(_chunk_indices(tuple(cu.tolist()), dev),
-                       prepare_chunk_indices(cu.to(dev), 64)), "chunk indices differ from fla's"
     # rows of one shape (documents, 64-token chunks), other boundaries: CUDA graph replays == eager.
     # Forced: whether this toy is launch-bound depends on the host; the check must not
-    graphs, diff = speedups.FeatureGraphs(gpu, taps), 0.0
+    graphs, diff = gpu.graphed_features(taps), 0.0
     graphs.bound = True
     shapes = [[0, 300, 1100, 1400, 2048], [0, 310, 1090, 1400, 2048], [0, 280, 1130, 1390, 2048],
               [0, 700, 2048], [0, 690, 2048], [0, 2048]]
@@ -152,8 +148,8 @@ if args.what == "check":
 
 elif args.what == "target":
     peak, taps, T = matmul_peak(), dcfg.target_layer_ids, args.budget
-    speedups.fla_configs_at_once()              # as train.py: a shorter first (autotuning) forward
     target = Target.build(tcfg, device=dev, dtype=bf16, n_layers=max(taps) + 1, head=False)
+    target.compile_kernels()                    # as train.py: a shorter first (autotuning) forward
     weights, (cu, _, _) = torch.cuda.memory_allocated() / 2**30, packed_row(T, 4)
     ids = torch.randint(0, tcfg.vocab_size, (T,), device=dev)
     torch.cuda.reset_peak_memory_stats()

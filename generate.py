@@ -18,7 +18,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from target import Target, TargetConfig, positions_from_cu
+from layers import positions_from_cu
+from target import Target, TargetConfig
 from model import Drafter, row_attention
 from data import ArgParser, Bad, DataError, kwargs_arg, load_line, number, open_dataset
 from prepare import Chat

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from target import MLP, GatedAttention, RMSNorm, apply_rope, check_rope, rope_cos_sin, rope_type
+from layers import MLP, RMSNorm, apply_rope, check_rope, rope_cos_sin, rope_type
 
 # -----------------------------------------------------------------------------
 # 1) anchors
@@ -337,13 +337,27 @@ def row_attention(config, anchors, keep, doc, S, flex=None, blocks=None):
                                              kernel_options=flex or None)
     return attend
 
+class Attention(nn.Module):
+    """Qwen3 attention's weights: q, k, v, o projections and per-head q, k RMSNorms."""
+    def __init__(self, c):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = (c.num_attention_heads,
+                                                        c.num_key_value_heads, c.head_dim)
+        q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, q_dim, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, kv_dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, kv_dim, bias=False)
+        self.o_proj = nn.Linear(q_dim, c.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
+
 class DrafterLayer(nn.Module):
     """A Qwen3 decoder layer whose attention queries are the block and keys/values [context ;
-    block] (self_attn: the target's attention projections and q/k norms as Qwen3's, no gate)."""
+    block]."""
     def __init__(self, c):
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = GatedAttention(c, qwen35=False)
+        self.self_attn = Attention(c)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c.hidden_size, c.intermediate_size)
 

@@ -33,7 +33,8 @@ import torch.nn.functional as F
 
 import generate
 from data import ArgParser, DataError, number, package, write_dataset
-from target import Docs, Target, TargetConfig, positions_from_cu, rope_cos_sin, upload
+from layers import positions_from_cu, rope_cos_sin, upload
+from target import Docs, Target, TargetConfig
 
 EOT, MASK = "<|endoftext|>", "<|mask|>"   # ids 0 and vocab-1 (train.py's default mask id)
 SKIP = {"test", "tests", "testing", "__pycache__", "site-packages", "dist-packages", "idlelib",

@@ -17,13 +17,18 @@ this file rewritten against it:
   .features(ids [T], cu_seqlens [n+1] on the CPU, layer_ids) -> [T, len(layer_ids) * H]: the
       outputs of decoder layers layer_ids (HF hidden_states[i+1]), each packed document alone
   .features_and_logits(ids, cu_seqlens, layer_ids, at), .logits(ids, cu_seqlens, at),
-      .greedy(prompts, new_tokens, temperature, generator), .flops(cu_seqlens, n_layers)
-model.py borrows the small shared pieces (RMSNorm, MLP, RoPE helpers, GatedAttention's layout):
-a rewrite keeps or imports them (test_train.py's Llama imports them from this file).
+      .greedy(prompts, new_tokens, temperature, generator), .flops(cu_seqlens, n_layers):
+      generate.py, quality.py, bench.py
+  optional GPU hooks, used where present: Target.compile_kernels() (autotuned kernels' configs
+      compiled at once), .graphed_features(layer_ids, log) -> a features(ids, cu_seqlens, train)
+      replaying CUDA graphs, or None
+Nothing else of this file is imported elsewhere (test_smoke.py checks), but by the commands made
+for this Qwen target alone: quality.py (Docs: it trains one from scratch) and bench.py
+(per_expert_linear: its check's reference for the MoE grouped GEMM). Its layers are layers.py's building blocks,
+which the drafter (model.py) shares; testdata/llama_target.py is a second target.
 """
 import functools
 import json
-import math
 import os
 import zlib
 from dataclasses import dataclass, fields
@@ -34,105 +39,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# -----------------------------------------------------------------------------
-# pieces shared with the drafter
-
-class RMSNorm(nn.Module):
-    # plus_one: Qwen3.5's zero-centred norms (scale 1 + w); Qwen3 and the GDN gated norm: plain w
-    def __init__(self, dim, eps, plus_one=False):
-        super().__init__()
-        self.eps, self.plus_one = eps, plus_one
-        self.weight = nn.Parameter(torch.zeros(dim) if plus_one else torch.ones(dim))
-
-    def forward(self, x):
-        xf = x.float()
-        scale = self.weight.float() + 1.0 if self.plus_one else self.weight.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * scale).to(x.dtype)
-
-ROPE_TYPES = ("default", "linear", "yarn")   # HF rope_type values rope_inv_freq computes
-
-def rope_type(scaling):
-    # of an HF rope_scaling / rope_parameters dict (transformers 4.x configs spell it "type")
-    return "default" if not scaling else scaling.get("rope_type", scaling.get("type", "default"))
-
-def check_rope(scaling, fail):
-    # fail(field, value, why) unless rope_inv_freq computes the HF rope dict `scaling` as HF does
-    kind, factor = rope_type(scaling), (scaling or {}).get("factor")
-    if kind == "dynamic":
-        fail("rope_type", kind, "transformers recomputes dynamic NTK per batch length, vLLM fixes "
-             "it at max_position_embeddings * factor: served features are ambiguous; use yarn")
-    if kind not in ROPE_TYPES:
-        fail("rope_type", kind, f"RoPE types computed here: {', '.join(ROPE_TYPES)}")
-    if kind != "default" and not (isinstance(factor, (int, float)) and factor > 0):
-        fail("factor", factor, f"rope_type {kind} needs a positive factor")
-
-def rope_inv_freq(dim, theta, scaling=None, max_positions=None, device=None):
-    """RoPE inverse frequencies [dim/2] over `dim` rotary dims (partial RoPE: HF's head_dim *
-    partial_rotary_factor) and the factor cos and sin are multiplied by, exactly as transformers
-    5.x modeling_rope_utils.py computes them for rope_type default, linear and yarn (YaRN: Peng et
-    al., arXiv:2309.00071; the explicit factor wins over max_position_embeddings/original, as in
-    v5). scaling: the HF dict without rope_theta; max_positions: YaRN's default original length."""
-    s, kind = scaling or {}, rope_type(scaling)
-    pos_freqs = theta ** (torch.arange(0, dim, 2, device=device).float() / dim)
-    if kind == "default":
-        return 1.0 / pos_freqs, 1.0
-    factor = s["factor"]
-    if kind == "linear":
-        return 1.0 / pos_freqs / factor, 1.0
-    original = s.get("original_max_position_embeddings") or max_positions
-    mscale = lambda m=1: 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
-    scale = s.get("attention_factor")
-    if scale is None:
-        both = s.get("mscale") and s.get("mscale_all_dim")
-        scale = mscale(s["mscale"]) / mscale(s["mscale_all_dim"]) if both else mscale()
-    # pair i keeps its frequency below `low` rotations-wise (extrapolation), is divided by factor
-    # above `high` (interpolation), and ramps linearly between
-    corr = lambda rotations: (dim * math.log(original / (rotations * 2 * math.pi))
-                              / (2 * math.log(theta)))
-    low, high = corr(s.get("beta_fast") or 32), corr(s.get("beta_slow") or 1)
-    if s.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001
-    ramp = ((torch.arange(dim // 2, device=device).float() - low) / (high - low)).clamp(0, 1)
-    extrapolate = 1 - ramp
-    inv_freq = 1.0 / (factor * pos_freqs) * (1 - extrapolate) + 1.0 / pos_freqs * extrapolate
-    return inv_freq, float(scale)
-
-def rope_cos_sin(pos, dim, theta, scaling=None, max_positions=None):
-    # NeoX-style cos, sin [T, dim] in fp32 at positions pos [T], both times YaRN's attention factor
-    inv_freq, scale = rope_inv_freq(dim, theta, scaling, max_positions, pos.device)
-    angles = (pos.float()[:, None] * inv_freq[None, :]).repeat(1, 2)
-    return angles.cos() * scale, angles.sin() * scale
-
-def apply_rope(x, cos, sin):
-    # x [T, heads, head_dim]; rotates the first rot dims (partial RoPE), pairing i with i + rot/2
-    rot = cos.shape[-1]
-    x_rot, x_pass = x[..., :rot].float(), x[..., rot:]
-    rotated = torch.cat([-x_rot[..., rot // 2:], x_rot[..., :rot // 2]], dim=-1)
-    out = x_rot * cos[:, None, :] + rotated * sin[:, None, :]
-    return torch.cat([out.to(x.dtype), x_pass], dim=-1)
-
-class MLP(nn.Module):
-    def __init__(self, hidden, inter):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-def upload(t, device):
-    # a host tensor to `device` without a host sync: .to() from pageable memory waits for the
-    # stream to drain; a copy from pinned memory is queued like a kernel
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
-
-def positions_from_cu(cu_seqlens):
-    # -> positions [T] from 0 in each document (numpy: torch's repeat_interleave is a slow host op)
-    cu = np.asarray(cu_seqlens, dtype=np.int64)
-    return torch.from_numpy(np.arange(cu[-1]) - np.repeat(cu[:-1], np.diff(cu)))
+from layers import MLP, RMSNorm, apply_rope, check_rope, positions_from_cu, rope_cos_sin, rope_type
+from layers import upload
 
 # -----------------------------------------------------------------------------
 # packed documents on the CPU path: [T, ...] <-> [n_docs, longest, ...]
@@ -407,20 +315,19 @@ class TargetConfig:
         return cls(**presets[name])
 
 class GatedAttention(nn.Module):
-    """Qwen3.5 full attention: causal GQA with q/k norm, partial RoPE and a sigmoid output gate.
-    qwen35=False: Qwen3's projections and norms (no gate, plain norm weights), the drafter's."""
-    def __init__(self, c, qwen35=True):
+    """Qwen3.5 full attention: causal GQA with q/k norm, partial RoPE and a sigmoid output gate."""
+    def __init__(self, c):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = (c.num_attention_heads,
                                                         c.num_key_value_heads, c.head_dim)
         q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         # per head: [query | gate]
-        self.q_proj = nn.Linear(c.hidden_size, (2 if qwen35 else 1) * q_dim, bias=False)
+        self.q_proj = nn.Linear(c.hidden_size, 2 * q_dim, bias=False)
         self.k_proj = nn.Linear(c.hidden_size, kv_dim, bias=False)
         self.v_proj = nn.Linear(c.hidden_size, kv_dim, bias=False)
         self.o_proj = nn.Linear(q_dim, c.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps, plus_one=qwen35)
-        self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps, plus_one=qwen35)
+        self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps, plus_one=True)
+        self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps, plus_one=True)
 
     def forward(self, x, rope, docs, cache=None):
         T, hd = x.shape[0], self.head_dim
@@ -816,6 +723,15 @@ class Target(nn.Module):
             seq[:, t + 1] = torch.where(lens > t + 1, seq[:, t + 1], nxt)
         return seq
 
+    # optional GPU hooks, defined below: fla's autotuned configs compiled at once (a shorter cold
+    # start), the features replayed from CUDA graphs (None for MoE: its routing syncs)
+    @staticmethod
+    def compile_kernels():
+        return fla_configs_at_once()
+
+    def graphed_features(self, layer_ids, log=print):
+        return None if self.config.num_experts else FeatureGraphs(self, layer_ids, log)
+
     def flops(self, cu_seqlens, n_layers):
         """Matmul FLOPs of a forward through layers [0, n_layers) over one packed row (for MFU)."""
         c, T = self.config, int(cu_seqlens[-1])
@@ -828,3 +744,97 @@ class Target(nn.Module):
         dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
         gdn = (n_layers - n_full) * T * c.linear_num_value_heads * dk * (10 * dv + 4 * 64)
         return 2 * linear * T + attn + gdn
+
+# -----------------------------------------------------------------------------
+# GPU hooks (train.py calls them when a target has them): fla's configs compiled at once, and
+# the features replayed from CUDA graphs when launch-bound
+
+def fla_configs_at_once():
+    """Triton's autotuner compiles each config of a kernel only as it benchmarks it. For each
+    Autotuner instance in fla's modules (also behind triton.heuristics; not the class: no other
+    kernel changes), a run with a new key first compiles every config together on a thread pool
+    (triton >= 3.4's AsyncCompileMode), then benchmarks and picks as before. Returns the count."""
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.jit import KernelInterface
+    try:
+        from triton.runtime._async_compile import AsyncCompileMode
+    except ImportError:                   # an older triton: one config after the other
+        return 0
+    _fla()                                # imports the modules of the target's kernels
+    found = {}
+    for name, module in list(sys.modules.items()):
+        if module is not None and name.split(".")[0] == "fla":
+            for kernel in list(vars(module).values()):
+                while isinstance(kernel, KernelInterface):
+                    if isinstance(kernel, Autotuner) and not hasattr(kernel, "configs_at_once"):
+                        found[id(kernel)] = kernel
+                    kernel = getattr(kernel, "fn", None)
+    pool = ThreadPoolExecutor(min(32, os.cpu_count() or 1))
+
+    def wrap(tuner):
+        run = tuner.run                   # the class's Autotuner.run, bound to this instance
+
+        def run_all_compiled(*args, **kwargs):
+            # Autotuner.run's own key: the key args' values, then every tensor argument's dtype
+            named = {k: v for k, v in {**dict(zip(tuner.arg_names, args)), **kwargs}.items()
+                     if k in tuner.arg_names}
+            key = tuple([named[k] for k in tuner.keys if k in named]
+                        + [str(v.dtype) for v in named.values() if hasattr(v, "dtype")])
+            if len(tuner.configs) > 1 and key not in tuner.cache:
+                # a config that fails to compile is left to the benchmark, which rules it out
+                with AsyncCompileMode(pool, ignore_errors=True):
+                    tuner.warmup(*args, **{k: v for k, v in kwargs.items() if k != "warmup"})
+            return run(*args, **kwargs)
+        # an instance attribute: kernel[grid](...) and an outer Heuristics look up .run on the
+        # instance, so they call this; Autotuner.run itself is untouched
+        tuner.run, tuner.configs_at_once = run_all_compiled, True
+
+    for tuner in found.values():
+        wrap(tuner)
+    return len(found)
+
+class FeatureGraphs:
+    """target.features(ids, cu_seqlens, layer_ids) from CUDA graphs. Kernel grids depend on a
+    row only through its document count and fla's 64-token chunk count: one graph per such shape,
+    captured its second time (fla's autotuner must have tuned), the row's values copied in before a
+    replay. Flash attention gets the row length as the longest document: a bigger grid, the same
+    result. One shared memory pool: outputs are copied out. Dense targets only (MoE syncs)."""
+    def __init__(self, target, layer_ids, log=print):
+        self.target, self.layer_ids, self.log = target, layer_ids, log
+        self.graphs, self.seen, self.pool, self.train_rows, self.bound = {}, set(), None, 0, None
+
+    def __call__(self, ids, cu_seqlens, train=True):
+        # the first train row autotunes fla's kernels, the second is timed: replays if bound
+        if not self.bound:
+            self.train_rows += train
+            if self.train_rows != 2 or self.bound is not None:
+                return self.target.features(ids, cu_seqlens, self.layer_ids)
+            from speedups import launch_bound
+            out, self.bound = launch_bound("target forward", self.target.features, ids,
+                                           cu_seqlens, self.layer_ids, log=self.log)
+            return out
+        bounds = cu_seqlens.numpy()
+        chunks = _chunk_list(bounds)
+        key, dev, T = (len(bounds), len(chunks)), ids.device, ids.shape[0]
+        if key not in self.graphs:
+            if key not in self.seen:
+                self.seen.add(key)
+                return self.target.features(ids, cu_seqlens, self.layer_ids)
+            # fresh buffers: fla caches what it derives from cu_seqlens by tensor identity
+            new = lambda *shape: torch.zeros(*shape, dtype=torch.long, device=dev)
+            docs = Docs(new(len(bounds)), None, new(len(chunks), 2), T)
+            inputs, graph = (new(T), docs, new(T)), torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = self.target.features(inputs[0], None, self.layer_ids,
+                                           prepared=(docs, inputs[2]))
+            self.pool, self.graphs[key] = graph.pool(), (graph, inputs, out)
+        graph, (ids_in, docs, pos), out = self.graphs[key]
+        # one upload: boundaries, positions, chunk list
+        host = np.concatenate([bounds, positions_from_cu(cu_seqlens).numpy(), chunks.ravel()])
+        host = upload(torch.from_numpy(host), dev).split([len(bounds), T, chunks.size])
+        ids_in.copy_(ids), docs.cu.copy_(host[0]), pos.copy_(host[1])
+        docs.chunks.view(-1).copy_(host[2])
+        graph.replay()
+        return out.clone()

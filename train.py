@@ -27,7 +27,8 @@ import checkpoint
 from data import ArgParser, DataError, Packer, make_demo, number, open_dataset, package
 from model import Drafter, DrafterConfig, drafter_loss, drafter_step, flex_kernel_options
 from model import sample_anchors
-from target import Target, TargetConfig, upload
+from layers import upload
+from target import Target, TargetConfig
 t_launch = time.perf_counter()      # the log's elapsed time counts from here
 
 # -----------------------------------------------------------------------------
@@ -210,8 +211,8 @@ try:
     target = Target.build(tcfg, **kw) if preset else Target.from_pretrained(args.target, **kw)
 except (ValueError, KeyError, FileNotFoundError) as e:   # missing, misshapen, mis-scaled tensors
     sys.exit(f"error: --target {args.target}: {e.args[0] if isinstance(e, KeyError) else e}")
-if cuda and runs_target:
-    speedups.fla_configs_at_once()
+if cuda and runs_target and hasattr(target, "compile_kernels"):    # optional Target hooks
+    target.compile_kernels()
 graphs_wanted = cuda and not args.no_compile and not args.no_cuda_graphs
 
 if runs_drafter:
@@ -422,9 +423,10 @@ def update(feats, packed, lr):
 # posted earlier keeps an NCCL kernel resident on its GPU through the whole step. World size 1:
 # one process plays both sides and nothing travels.
 
-# a launch-bound target forward is replayed from CUDA graphs (dense targets only)
-features = (speedups.FeatureGraphs(target, taps, print0) if graphs_wanted and runs_target
-            and not tcfg.num_experts else lambda ids, cu, train: target.features(ids, cu, taps))
+# a launch-bound target forward is replayed from CUDA graphs, where the target offers it
+features = lambda ids, cu, train: target.features(ids, cu, taps)
+if graphs_wanted and runs_target and hasattr(target, "graphed_features"):
+    features = target.graphed_features(taps, print0) or features
 
 def target_row(kind, r):
     # the next row of `kind` (eval: held-out row r): its fields in one upload, then its features

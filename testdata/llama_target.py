@@ -1,0 +1,108 @@
+"""
+A plain dense Llama-style target written only against the Target interface at the top of
+target.py: a fork copies it over target.py (test_train.py: test_target_interface; on a GPU, the
+run in RESULTS.md). Its layers are the shared building blocks of layers.py, nothing of the Qwen
+target. transformers' LlamaForCausalLM is its reference.
+"""
+import json
+import os
+import zlib
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from layers import MLP, RMSNorm, apply_rope, positions_from_cu, rope_cos_sin, upload
+
+@dataclass
+class TargetConfig:
+    vocab_size: int = 512
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 6
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 16
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    num_experts: int = 0
+
+    @classmethod
+    def preset(cls, name):
+        if name != "llama-tiny":
+            raise ValueError(f"unknown target preset {name!r}")
+        return cls()
+
+    @classmethod
+    def from_hf(cls, path):
+        with open(os.path.join(path, "config.json")) as f:
+            cfg = json.load(f)
+        theta = cfg.get("rope_parameters", {}).get("rope_theta", cfg.get("rope_theta"))
+        return cls(**{**{f.name: cfg[f.name] for f in fields(cls) if f.name in cfg},
+                      "rope_theta": theta})
+
+class Layer(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.c, a = c, nn.Module()
+        for name, n_in, n_out in (("q_proj", c.hidden_size, c.num_attention_heads * c.head_dim),
+                                  ("k_proj", c.hidden_size, c.num_key_value_heads * c.head_dim),
+                                  ("v_proj", c.hidden_size, c.num_key_value_heads * c.head_dim),
+                                  ("o_proj", c.num_attention_heads * c.head_dim, c.hidden_size)):
+            setattr(a, name, nn.Linear(n_in, n_out, bias=False))
+        self.self_attn, self.mlp = a, MLP(c.hidden_size, c.intermediate_size)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def forward(self, h, rope, mask):
+        T, a, x = h.shape[0], self.self_attn, self.input_layernorm(h)
+        q, k, v = (p(x).view(T, -1, self.c.head_dim) for p in (a.q_proj, a.k_proj, a.v_proj))
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        o = F.scaled_dot_product_attention(*(t.transpose(0, 1) for t in (q, k, v)),
+                                           attn_mask=mask, enable_gqa=True)
+        h = h + a.o_proj(o.transpose(0, 1).reshape(T, -1))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+class Target(nn.Module):
+    def __init__(self, config, n_layers=None, head=True):
+        super().__init__()
+        c = self.config = config
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        n = c.num_hidden_layers if n_layers is None else n_layers
+        self.layers = nn.ModuleList([Layer(c) for _ in range(n)])
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps) if head else None
+        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False) if head else None
+        self.requires_grad_(False)
+
+    @classmethod
+    def build(cls, config, device="cpu", dtype=torch.float32, n_layers=None, head=True):
+        model = cls(config, n_layers, head)
+        for name, p in model.named_parameters():     # seeded by name: every rank the same
+            g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1) if p.dim() > 1 else p.fill_(1.0)
+        return model.to(device, dtype)
+
+    @classmethod
+    def from_pretrained(cls, path, device="cpu", dtype=torch.bfloat16, n_layers=None, head=True):
+        from safetensors.torch import load_file
+        model = cls(TargetConfig.from_hf(path), n_layers, head)
+        state = {k.removeprefix("model."): v for k, v in
+                 load_file(os.path.join(path, "model.safetensors")).items()}
+        model.load_state_dict({k: state[k] for k in model.state_dict()})
+        return model.to(device, dtype)
+
+    @torch.inference_mode()
+    def features(self, ids, cu_seqlens, layer_ids):
+        c, h = self.config, self.embed_tokens(ids)
+        pos = upload(positions_from_cu(cu_seqlens), h.device)
+        doc = torch.repeat_interleave(torch.arange(len(cu_seqlens) - 1), cu_seqlens.diff())
+        doc = doc.to(h.device)
+        mask = (doc[:, None] == doc[None, :]) & (pos[:, None] >= pos[None, :])   # per document
+        rope = rope_cos_sin(pos, c.head_dim, c.rope_theta, None, c.max_position_embeddings)
+        taps = {}
+        for i in range(max(layer_ids) + 1):
+            h = taps[i] = self.layers[i](h, rope, mask)
+        return torch.cat([taps[i] for i in layer_ids], dim=-1)
