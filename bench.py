@@ -171,7 +171,7 @@ elif args.what == "drafter":
     feats = torch.randn(S, len(dcfg.target_layer_ids) * tcfg.hidden_size, device=dev, dtype=bf16)
     # as train.py: compiled once, kernel options made outside the graph; N anchors from any doc
     loss = torch.compile(drafter_loss, fullgraph=True, dynamic=False)
-    kw = dict(per_doc=S, capacity=N, loss=loss, embed=tgt.embed_tokens.weight, gamma=7.0,
+    kw = dict(anchors_per_doc=S, row_anchors=N, loss=loss, embed=tgt.embed_tokens.weight, gamma=7.0,
               head=tgt.lm_head.weight, flex=flex_kernel_options(dev))
     def step():
         drafter_step(d, feats, row, **kw)[0]["loss"].backward()

@@ -26,13 +26,14 @@ from layers import MLP, RMSNorm, apply_rope, check_rope, rope_cos_sin, rope_type
 # -----------------------------------------------------------------------------
 # 1) anchors
 
-def sample_anchors(loss_mask, doc, per_doc, capacity):
+def sample_anchors(loss_mask, doc, anchors_per_doc, row_anchors):
     """The anchors of one packed row as the DFlash recipe samples them (paper sec. 4.2): in every
-    document, min(per_doc, eligible) positions uniformly without replacement, a being eligible iff
+    document, min(anchors_per_doc, eligible) positions uniformly without replacement, a being eligible iff
     loss_mask[a] = loss_mask[a+1] = 1 in one document (a served token whose next token is
-    supervised); past `capacity` a row keeps the lowest-ranked draws of every document (max-min
-    fair). Sorted (keeps flex tiles sparse), on device, no host sync. Returns anchors [capacity] (0
-    in padded slots), keep [capacity] bool and the number wanted before the capacity cut (0-d)."""
+    supervised); past its `row_anchors` slots a row keeps the lowest-ranked draws of every document
+    (max-min fair). Sorted (keeps flex tiles sparse), on device, no host sync. Returns anchors
+    [row_anchors] (0 in padded slots), keep [row_anchors] bool and the number wanted before the
+    slots cut (0-d)."""
     S, dev = loss_mask.shape[0], loss_mask.device
     supervised = loss_mask > 0
     eligible = supervised[:-1] & supervised[1:] & (doc[:-1] == doc[1:])       # [S-1]
@@ -44,10 +45,10 @@ def sample_anchors(loss_mask, doc, per_doc, capacity):
     first = torch.where(group_start, i, 0).cummax(0).values
     rank = torch.empty_like(i)
     rank[order] = i - first                                  # draw order within the document
-    wanted = eligible & (rank < per_doc)
-    score = torch.where(wanted, rank + key, float("inf"))    # capacity: lowest ranks first
-    score = F.pad(score, (0, max(0, capacity - (S - 1))), value=float("inf"))  # capacity > S - 1
-    picked = score.topk(capacity, largest=False).indices
+    wanted = eligible & (rank < anchors_per_doc)
+    score = torch.where(wanted, rank + key, float("inf"))    # the slots: lowest ranks first
+    score = F.pad(score, (0, max(0, row_anchors - (S - 1))), value=float("inf"))  # > S - 1 slots
+    picked = score.topk(row_anchors, largest=False).indices
     anchors = torch.where(score[picked] < float("inf"), picked, S).sort().values   # padded: last
     keep = anchors < S
     return torch.where(keep, anchors, 0), keep, wanted.sum()
@@ -579,11 +580,12 @@ def drafter_loss(drafter, feats, row, **kw):
     with torch.autocast("cuda", torch.bfloat16) if feats.is_cuda else nullcontext():
         return drafter(feats, **{k: row[k] for k in ("tokens", "loss_mask", "doc", "pos")}, **kw)
 
-def drafter_step(drafter, feats, row, *, per_doc, capacity, loss=drafter_loss, **kw):
-    """A training step's drafter part on one packed row, before its backward: anchors (per_doc per
-    document, capacity per row), for flex their BlockMask lists (inductor's flex lowering rejects
+def drafter_step(drafter, feats, row, *, anchors_per_doc, row_anchors, loss=drafter_loss, **kw):
+    """A training step's drafter part on one packed row, before its backward: anchors (per document,
+    and slots per row), for flex their BlockMask lists (inductor's flex lowering rejects
     masks made in the graph), then loss(..., **kw) -> (its dict, anchors wanted before the cut)."""
-    anchors, keep, wanted = sample_anchors(row["loss_mask"], row["doc"], per_doc, capacity)
+    anchors, keep, wanted = sample_anchors(row["loss_mask"], row["doc"], anchors_per_doc,
+                                           row_anchors)
     blocks = (block_lists(drafter.config, anchors, keep, row["doc"], row["doc"].shape[0])
               if kw.get("flex") is not None else None)
     with torch.enable_grad():   # one graph: an eval under no_grad would be another (a recompile)

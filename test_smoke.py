@@ -1144,7 +1144,7 @@ def test_eval_under_no_grad_reuses_the_graph(drafter_rows, monkeypatch):
     row = {k: r[k] for k in ("tokens", "loss_mask", "doc", "pos")}
     torch._dynamo.reset()
     fn = torch.compile(model.drafter_loss, fullgraph=True, dynamic=False)
-    kw = dict(per_doc=4, capacity=8, embed=t.embed_tokens.weight, head=t.lm_head.weight, loss=fn)
+    kw = dict(anchors_per_doc=4, row_anchors=8, embed=t.embed_tokens.weight, head=t.lm_head.weight, loss=fn)
     torch.manual_seed(0)
     model.drafter_step(d, r["feats"], row, **kw)[0]["loss"].backward()       # compiles, trains
     monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
@@ -1178,7 +1178,7 @@ def test_compiled_step_holds_one_chunk_of_logits():
                      ("compiled", torch.compile(model.drafter_loss, fullgraph=True, dynamic=False))):
         def step():
             torch.manual_seed(1)                      # the same anchors
-            out, _ = model.drafter_step(d, feats, row, per_doc=N, capacity=N, embed=t.embed_tokens.weight,
+            out, _ = model.drafter_step(d, feats, row, anchors_per_doc=N, row_anchors=N, embed=t.embed_tokens.weight,
                                         head=t.lm_head.weight, loss=fn)
             out["loss"].backward()
             return out["loss"].item()
@@ -3020,7 +3020,7 @@ def test_quality_command_end_to_end(tmp_path, capsys):
     quality.main(small + ["--", *flags])           # greedy and T = 1 (the default)
     out = capsys.readouterr().out
     assert "reusing the target and data" in out and out.count("train: ") == 1
-    assert re.search(r"^anchors: up to 8 per document, \d+ per row", out, re.M), out   # train.py's banner
+    assert re.search(r"^anchors: up to 8 per document, \d+ slots per row", out, re.M), out   # train.py banner
     tau = float(re.search(r"tau test ([\d.]+) \+- ", out).group(1))
     hist = dict(map(int, kv.split(":")) for kv in out.split("count of cycles: ")[1].split("\n")[0].split())
     (build,) = tmp_path.glob("build-*")

@@ -186,16 +186,16 @@ except DataError as e:           # a missing meta.json, a truncated tokens.bin: 
 packer = Packer(train_ds, args.budget, n_shards=n_pairs, shard=pair, seed=args.seed)
 steps_per_epoch = packer.steps_per_epoch        # of epoch 0 (epochs differ by a row or so)
 max_steps = args.max_steps or packer.total_steps(args.epochs)
-budget, per_doc, block_size = args.budget, args.anchors, args.block_size
-# the anchor capacity of a row (one compiled shape): rows that want more are cut fairly across
+budget, anchors_per_doc, block_size = args.budget, args.anchors, args.block_size
+# the anchor slots of a row (one compiled shape): rows that want more are cut fairly across
 # documents, fewer padded. What the first 512 rows of the plan ask for, by the sampler itself
 probe = Packer(train_ds, budget, seed=args.seed)
 demand = np.array([int(sample_anchors(torch.from_numpy(row.loss_mask), torch.from_numpy(row.doc),
-                                      per_doc, 1)[2])
+                                      anchors_per_doc, 1)[2])
                    for row in (probe.next_row() for _ in range(min(512, probe.steps_per_epoch)))])
-cap = min(budget - 1, 4 * budget // block_size)      # the default's bound: 4x the row in queries
+row_anchors_max = min(budget - 1, 4 * budget // block_size)   # the default's bound: 4x the row
 p90 = int(-(-np.percentile(demand, 90) // 8) * 8)       # a multiple of 8: 128-row tiles
-row_anchors = args.row_anchors or max(8, min(p90, cap))
+row_anchors = args.row_anchors or max(8, min(p90, row_anchors_max))
 dropped = np.maximum(demand - row_anchors, 0).sum() / max(demand.sum(), 1)
 supervised, lost = train_ds.n_supervised, packer.truncated_supervised()
 taps = dcfg.target_layer_ids
@@ -238,7 +238,8 @@ if runs_drafter:
         if cuda:
             warnings.filterwarnings("error", ".*flex_attention called without torch.compile")
     step_fn = functools.partial(
-        drafter_step, drafter, per_doc=per_doc, capacity=row_anchors, loss=loss_fn,
+        drafter_step, drafter, anchors_per_doc=anchors_per_doc, row_anchors=row_anchors,
+        loss=loss_fn,
         embed=target.embed_tokens.weight, head=target.lm_head.weight, gamma=args.gamma,
         flex=flex_kernel_options(device) if cuda else None,
         dpace=args.dpace_alpha if args.loss == "dpace" else None, ce_chunk=0 if args.plain_loss
@@ -298,11 +299,11 @@ print0(f"data: {data_dir} ({len(train_ds)} samples), {steps_per_epoch} steps/epo
 if lost > 0.05 * supervised:
     print0(f"warning: --budget {budget} truncates {lost / supervised:.1%} of the supervised tokens "
            "away; raise --budget, or split the long samples")
-print0(f"anchors: up to {per_doc} per document, {row_anchors} per row ("
-       + ("--row-anchors; " if args.row_anchors else "the cap 4 * budget / block-size; "
-          if p90 > cap else "the 90th percentile; ")
+print0(f"anchors: up to {anchors_per_doc} per document, {row_anchors} slots per row ("
+       + ("--row-anchors; " if args.row_anchors else "at most 4 * budget / block-size; "
+          if p90 > row_anchors_max else "the 90th percentile; ")
        + f"the first {len(demand)} rows ask for median {np.median(demand):.0f}, max "
-       f"{demand.max()}), {row_anchors * block_size} query tokens per row; the capacity drops "
+       f"{demand.max()}), {row_anchors * block_size} query tokens per row; the slots drop "
        f"{dropped:.1%} of the anchors asked for"
        + ("; raise --row-anchors to keep them" if dropped > 0.05 else ""))
 log_file = open(os.path.join(args.out, "log.jsonl"), "a") if rank == log_rank else None
@@ -408,7 +409,7 @@ def update(feats, packed, lr):
     elif not nonfinite.item():     # any other optimizer: the host decides (no CUDA-graph replay)
         opt.step()
     opt.zero_grad(set_to_none=True)
-    # blocks: anchors kept; wanted: asked for before the capacity cut; gnorm: every drafter's
+    # blocks: anchors kept; wanted: asked for before the slots' cut; gnorm: every drafter's
     return dict(out, loss=out["loss"].detach().nan_to_num(0.0), wanted=wanted, nonfinite=nonfinite,
                 gnorm=gnorm.nan_to_num(0.0))
 
@@ -512,6 +513,17 @@ def window_record(step, m, seconds):
                 elapsed_s=round(time.perf_counter() - t_launch, 2),
                 graphs=torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
+def train_line(r):
+    # a train record as its console line (README: Reading the log)
+    return (f"step {r['step']}/{max_steps} | ep {r['epoch']:.2f} | loss {r['loss']:.4f} | accept "
+            f"{r['accept']:.3f} | lr {r['lr']:.2e} | gnorm {r['gnorm']:.2f} | {r['tok_s']:.0f} "
+            f"tok/s {r['blocks_s']:.0f} blocks/s | anchors/row {r['anchors_row']:.0f} cut "
+            f"{r['anchors_cut']} pad {r['pad_frac']:.0%} | ms target {r['ms_target']:.0f} wait "
+            f"{r['ms_wait']:.0f} drafter {r['ms_drafter']:.0f} busy {r['busy_target']:.0%} "
+            f"{r['busy_drafter']:.0%} | mem GiB {' '.join(f'{x:.1f}' for x in r['mem_gib'])} | "
+            f"elapsed {timedelta(seconds=round(r['elapsed_s']))}, ETA "
+            f"{timedelta(seconds=round(r['eta_s']))}")
+
 line = f"start: logging to {args.out}/log.jsonl"
 if args.resume:     # what a resumed run's later records supersede (README: Reading the log)
     line = (f"resume: step {start_step} of {ckpt_path}; changed: "
@@ -525,7 +537,7 @@ train_sums, eval_sums = {}, {}
 nonfinite_rows = torch.zeros(args.log_interval, 3, dtype=torch.long, device=device)  # bad?, where
 step_marks, t_window = [], time.perf_counter()
 # on GPU the third step is timed for a CUDA-graph replay (one pair: no all-reduce in it)
-updates = (speedups.UpdateGraph(update, opt, 3, print0)
+graphed_update = (speedups.UpdateGraph(update, opt, 3, print0)
            if graphs_wanted and n_pairs == 1 and device_skip else update)
 
 for step, kind, r in schedule(start_step):
@@ -558,7 +570,7 @@ for step, kind, r in schedule(start_step):
         # fused flex backward
         probed = cuda and not args.no_compile and step == start_step + 1
         with checks.fused_backward(len(dcfg.windows())) if probed else nullcontext() as seen:
-            metrics = updates(feats, packed, lr_at(step))
+            metrics = graphed_update(feats, packed, lr_at(step))
         if probed:
             print0(f"step {step}: fused flex_attention backward verified (profiler saw "
                    f"{', '.join(seen)})")
@@ -588,15 +600,7 @@ for step, kind, r in schedule(start_step):
                 sys.exit(f"error: {int(m['nonfinite'])} of the last {n_window} steps were "
                          "non-finite; stopping. Lower --lr or check the data")
         rec = window_record(step, m, time.perf_counter() - t_window)
-        log(rec, f"step {rec['step']}/{max_steps} | ep {rec['epoch']:.2f} | loss {rec['loss']:.4f} "
-                 f"| accept {rec['accept']:.3f} | lr {rec['lr']:.2e} | gnorm {rec['gnorm']:.2f} | "
-                 f"{rec['tok_s']:.0f} tok/s {rec['blocks_s']:.0f} blocks/s | anchors/row "
-                 f"{rec['anchors_row']:.0f} cut {rec['anchors_cut']} pad {rec['pad_frac']:.0%} | "
-                 f"ms target {rec['ms_target']:.0f} wait {rec['ms_wait']:.0f} drafter "
-                 f"{rec['ms_drafter']:.0f} busy {rec['busy_target']:.0%} {rec['busy_drafter']:.0%}"
-                 f" | mem GiB {' '.join(f'{x:.1f}' for x in rec['mem_gib'])} | elapsed "
-                 f"{timedelta(seconds=round(rec['elapsed_s']))}, ETA "
-                 f"{timedelta(seconds=round(rec['eta_s']))}")
+        log(rec, train_line(rec))
         nonfinite_rows.zero_()
         step_marks, t_window = [], time.perf_counter()
 
