@@ -92,6 +92,18 @@ def init_drafter(args, d, dcfg, tcfg):
         sys.exit(f"error: --sliding-window {args.sliding_window} asks for layers {layout(dcfg)}, "
                  f"but --init-drafter {args.init_drafter} has {layout(d)}; drop --sliding-window")
 
+def weights_diff(params, src, group):
+    """Data parallel must leave every drafter with the same weights: the largest difference from
+    rank src's, over the group (checked, not assumed)."""
+    import torch.distributed as dist
+    diff = torch.zeros((), device=params[0].device)
+    for p in params:
+        reference = p.detach().clone()
+        dist.broadcast(reference, src, group=group)
+        diff = torch.maximum(diff, (reference - p.detach()).abs().max())
+    dist.all_reduce(diff, op=dist.ReduceOp.MAX, group=group)
+    return diff.item()
+
 @contextlib.contextmanager
 def fused_backward(kinds):
     """Around a train step after the compiling one (around the compile the profiler would also

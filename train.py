@@ -175,10 +175,7 @@ self_check = checks.SelfCheck(dcfg, device, rank_cache, skip or role == "target"
 data_dir = args.data or os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "demo")
 try:
     if args.data is None and not os.path.exists(os.path.join(data_dir, "train", "meta.json")):
-        if local_rank == 0:
-            make_demo(data_dir)
-        if world > 1:
-            dist.barrier()
+        make_demo(data_dir, log=print0)      # one rank or run makes it (a file lock), the rest wait
     train_ds, val_dir = open_dataset(data_dir), os.path.join(data_dir, "val")
     val_ds = open_dataset(val_dir) if os.path.exists(val_dir) else None
 except DataError as e:           # a missing meta.json, a truncated tokens.bin: named, with the fix
@@ -538,7 +535,7 @@ nonfinite_rows = torch.zeros(args.log_interval, 3, dtype=torch.long, device=devi
 step_marks, t_window = [], time.perf_counter()
 # on GPU the third step is timed for a CUDA-graph replay (one pair: no all-reduce in it)
 graphed_update = (speedups.UpdateGraph(update, opt, 3, print0)
-           if graphs_wanted and n_pairs == 1 and device_skip else update)
+                  if graphs_wanted and n_pairs == 1 and device_skip else update)
 
 for step, kind, r in schedule(start_step):
     if kind == "save" and rank == log_rank:
@@ -605,15 +602,8 @@ for step, kind, r in schedule(start_step):
         step_marks, t_window = [], time.perf_counter()
 
 if world > 1:
-    # data parallel must leave every drafter with the same weights: check it, do not assume it
-    diff = torch.zeros((), device=device)
-    for p in params:
-        reference = p.detach().clone()
-        dist.broadcast(reference, log_rank, group=drafter_group)
-        diff = torch.maximum(diff, (reference - p.detach()).abs().max())
-    dist.all_reduce(diff, op=dist.ReduceOp.MAX, group=drafter_group)
     print0(f"end: drafter weights identical across {n_pairs} drafter(s): max abs diff "
-           f"{diff.item():.3g}")
+           f"{checks.weights_diff(params, log_rank, drafter_group):.3g}")
     dist.barrier()
     dist.destroy_process_group()
 log(dict(kind="end", step=max_steps),
