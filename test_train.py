@@ -286,7 +286,7 @@ def test_nonfinite_skipped_whatever_the_optimizer(tmp_path):
     for name, inject in (("clean", False), ("inf", True)):
         fork = tmp_path / name
         fork.mkdir()
-        for f in ("train.py", "model.py", "data.py", "checks.py", "checkpoint.py", "target.py"):
+        for f in ("train.py", "model.py", "data.py", "checks.py", "checkpoint.py", "target.py", "layers.py"):
             shutil.copy(os.path.join(HERE, f), fork / f)
         src = (fork / "train.py").read_text()
         swap = ("opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, fused=True)",
