@@ -50,15 +50,13 @@ arg("--init-drafter", help="start from a z-lab format drafter dir (its layout an
 arg("--sliding-window", type=int, help="tokens a sliding layer sees (all layers but the last "
     "slide); 0: all full attention (default: the published drafter's, else 0)")
 arg = parser.add_argument_group("optimization").add_argument
-arg("--anchors", type=number(int, 1), default=16, help="draft blocks per document, at most "
-    "(the recipe: 512)")
+arg("--anchors", type=number(int, 1), default=16, help="draft blocks per document, at most")
 arg("--row-anchors", type=number(int, 0), default=0, help="draft blocks per packed row; 0: the "
     "data's 90th percentile, at most 4 * budget / block-size")
 arg("--gamma", type=number(float, 0, above=True), default=7.0, help="--loss dflash: slot k's "
     "weight exp(-(k-1)/gamma)")
-arg("--loss", choices=("dpace", "dflash"), default="dpace", help="dpace: D-PACE, CE weighted by "
-    "the expected accepted length (arXiv 2605.18810); dflash: the published loss, CE decayed by "
-    "--gamma")
+arg("--loss", choices=("dpace", "dflash"), default="dpace", help="dpace: D-PACE (arXiv "
+    "2605.18810); dflash: the published loss (DFlash's decayed CE)")
 arg("--dpace-alpha", type=number(float, 0, hi=1), help="D-PACE smoothing alpha (0.5)")
 arg("--lr", type=number(float, 0, above=True), default=6e-4, help="peak AdamW learning rate")
 arg("--warmup", type=number(float, 0, hi=1), default=0.04, help="warmup share of the steps")
@@ -74,20 +72,17 @@ arg("--out", default="out", help="output dir: log.jsonl, ckpt.pt, drafter/ (z-la
 arg("--log-interval", type=number(int, 1), default=10, help="steps between log lines")
 arg("--eval-interval", type=number(int, 1), default=100, help="steps between evals (and last)")
 arg("--save-interval", type=number(int, 1), default=500, help="steps between saves (and last)")
-arg("--wandb", metavar="PROJECT", help="also log every train and eval record to this Weights & "
-    "Biases project (pip install wandb)")
+arg("--wandb", metavar="PROJECT", help="also send train/eval records to this W&B project")
 either = group.add_mutually_exclusive_group().add_argument
 either("--resume", action="store_true", help="continue OUT/ckpt.pt exactly")
 either("--overwrite", action="store_true", help="start over in an --out that holds a run")
 arg = parser.add_argument_group("system").add_argument
 arg("--no-compile", action="store_true", help="eager drafter step (debugging; dense flex bwd)")
-arg("--plain-loss", action="store_true", help="the loss in plain autograd over full-vocab logits "
-    "(model.plain_ce: prototype a loss there; N*B x vocab floats of memory)")
+arg("--plain-loss", action="store_true", help="the loss in plain autograd (model.plain_ce)")
 arg("--no-cuda-graphs", action="store_true", help="no CUDA graph replays of launch-bound passes")
 arg("--cache-dir", help="root of the per-rank Triton/Inductor caches (/tmp/dflash-cache-USER)")
 arg("--fresh-cache", action="store_true", help="empty this run's Triton/Inductor caches first")
-arg("--timeout", type=number(float, 0, above=True), default=900, help="seconds a rank waits for "
-    "a peer (the first compile included)")
+arg("--timeout", type=number(float, 0, above=True), default=900, help="s a rank waits for a peer")
 args = parser.parse_args()
 if args.epochs and args.max_steps:       # a flag a combination would ignore is refused
     parser.error("--epochs and --max-steps: give one")
@@ -402,8 +397,7 @@ def update(feats, packed, lr):
     nonfinite = ~(torch.isfinite(gnorm) & torch.isfinite(out["loss"]))
     if device_skip:         # torch's fused optimizers skip on device: no host sync
         opt.found_inf = nonfinite.float()
-        opt.step()
-    elif not nonfinite.item():     # any other optimizer: the host decides (no CUDA-graph replay)
+    if device_skip or not nonfinite.item():   # any other: the host decides (no CUDA-graph replay)
         opt.step()
     opt.zero_grad(set_to_none=True)
     # blocks: anchors kept; wanted: asked for before the slots' cut; gnorm: every drafter's
