@@ -243,8 +243,7 @@ class Packer:
         self.truncated_tokens = int((dataset.lengths - self._len).sum())
         self._plan(0)
 
-    def _plan(self, epoch):
-        # go to `epoch` (its plan made unless it was the last one made): its rows per shard
+    def _plan(self, epoch):  # go to `epoch` (planned unless it was the last): its rows per shard
         self.epoch = epoch
         if self._planned == epoch:
             return self.steps_per_epoch
@@ -252,8 +251,7 @@ class Packer:
         order = (np.random.default_rng((self.seed, epoch)).permutation(n) if self.shuffle
                  else np.arange(n))
         lens, starts, used = self._len[order], [0], 0
-        # chunked, so tolist() never holds millions of Python ints at once
-        for c in range(0, n, 1 << 16):
+        for c in range(0, n, 1 << 16):  # chunked: tolist() never holds millions of ints at once
             for i, l in enumerate(lens[c:c + (1 << 16)].tolist(), c):
                 if used + l > self.budget:  # next-fit: the sample does not fit, so close this row
                     starts.append(i)

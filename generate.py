@@ -267,8 +267,7 @@ def chat_prompts(path, tokenizer, n, kwargs=None):
                 raise DataError(f"{path}:{lineno}: {e}")
     return prompts
 
-def hf_eos(path):
-    # eos ids: generation_config.json, else config.json (or its text_config); a preset has none
+def hf_eos(path):  # eos ids: generation_config.json, else config.json (text_config); preset: []
     for file in (os.path.join(path, n) for n in ("generation_config.json", "config.json")):
         cfg = json.load(open(file)) if os.path.exists(file) else {}
         eos = cfg.get("eos_token_id", cfg.get("text_config", {}).get("eos_token_id"))
@@ -305,8 +304,7 @@ def main(argv=None):
     if not os.path.exists(os.path.join(args.drafter, "config.json")):
         sys.exit(f"error: --drafter {args.drafter}: no config.json there (train.py's OUT/drafter)")
     device, dtype = device_dtype()
-    # the drafter and the prompts before the target's weights: a bad file fails in seconds
-    try:
+    try:  # the drafter and the prompts before the target's weights: a bad file fails in seconds
         tcfg = (TargetConfig.from_hf(args.target) if os.path.isdir(args.target)
                 else TargetConfig.preset(args.target))
         drafter = Drafter.from_pretrained(args.drafter, device=device, dtype=dtype)

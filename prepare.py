@@ -272,8 +272,7 @@ def _parse(line, chat, bound, turns, input, lineno):
     """One JSONL line -> ([(ids, mask), ...], counts, notes); raises Bad."""
     obj, counts, notes = load_line(line), {}, []
     if isinstance(obj, dict) and "input_ids" in obj:
-        # ragged or huge values make numpy raise; strings, floats and nesting are caught just below
-        try:
+        try:  # ragged or huge values make numpy raise; strings, floats, nesting are caught below
             ids = np.asarray(obj["input_ids"])
             mask = np.asarray(obj.get("loss_mask", np.ones(ids.shape, np.uint8)))
         except (ValueError, TypeError, OverflowError) as e:
@@ -370,8 +369,7 @@ def prepare(input, out, tokenizer=None, val=None, vocab_size=None, force=False, 
                     shown[kind] += 1
                     if shown[kind] <= 10:
                         log(f"{input}:{lineno}: {kind}: {detail}")
-                # line i is held out when floor(i * n_val / n_lines) steps up: exactly n_val lines
-                i = lineno - 1
+                i = lineno - 1  # held out where floor(i * n_val / n_lines) steps up: n_val lines
                 held_out = bool(n_val) and (i + 1) * n_val // n_lines > i * n_val // n_lines
                 counts[held_out].update(c)
                 for ids, mask in samples or ():
