@@ -39,15 +39,13 @@ def load_line(line):
     except ValueError as e:
         raise Bad("malformed JSON", str(e))
 
-def package(name, cmd):
-    # an optional package, imported only by the command that needs it, or how to install it
+def package(name, cmd):  # an optional package, imported only where needed, or how to install it
     try:
         return importlib.import_module(name)
     except ImportError:
         raise DataError(f"{cmd} needs the {name} package: pip install {name}")
 
-class Help(argparse.RawDescriptionHelpFormatter):
-    # --help: the docstring as written, each flag's default unless its help names it or it is unset
+class Help(argparse.RawDescriptionHelpFormatter):  # --help: docstring as written, flags' defaults
     def _get_help_string(self, action):
         d, h = action.default, action.help or ""
         unset = d is None or d is False or d == [] or d == argparse.SUPPRESS
@@ -144,8 +142,7 @@ class Writer:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 def write_dataset(out_dir, samples, vocab_size=None, force=False, **extra):
-    """Write an iterable of (ids, mask) arrays to out_dir atomically; returns meta (with extra).
-    vocab_size, when given, is checked against every id; otherwise the bound is max id + 1."""
+    """(ids, mask) arrays -> out_dir, atomically (Writer's checks, its bound); returns meta."""
     w = Writer(out_dir, vocab_size, force)
     try:
         for ids, mask in samples:
@@ -240,21 +237,21 @@ class Packer:
     def __init__(self, dataset, budget, n_shards=1, shard=0, seed=0, shuffle=True):
         assert 0 <= shard < n_shards and budget > 0, (shard, n_shards, budget)
         self.ds, self.budget, self.n_shards, self.shard = dataset, budget, n_shards, shard
-        self.seed, self.shuffle, self.epoch, self.step, self._planned = seed, shuffle, 0, 0, None
+        self.seed, self.shuffle, self.step, self._planned = seed, shuffle, 0, None
         self._len = np.minimum(dataset.lengths, budget)
         self.truncated = int((dataset.lengths > budget).sum())
         self.truncated_tokens = int((dataset.lengths - self._len).sum())
-        self._plan()
+        self._plan(0)
 
-    def _plan(self):
-        if self._planned == (self.epoch, self.seed):
-            return
+    def _plan(self, epoch):  # go to `epoch` (planned unless it was the last): its rows per shard
+        self.epoch = epoch
+        if self._planned == epoch:
+            return self.steps_per_epoch
         n = len(self.ds)
-        order = (np.random.default_rng((self.seed, self.epoch)).permutation(n) if self.shuffle
+        order = (np.random.default_rng((self.seed, epoch)).permutation(n) if self.shuffle
                  else np.arange(n))
         lens, starts, used = self._len[order], [0], 0
-        # chunked, so tolist() never holds millions of Python ints at once
-        for c in range(0, n, 1 << 16):
+        for c in range(0, n, 1 << 16):  # chunked: tolist() never holds millions of ints at once
             for i, l in enumerate(lens[c:c + (1 << 16)].tolist(), c):
                 if used + l > self.budget:  # next-fit: the sample does not fit, so close this row
                     starts.append(i)
@@ -264,7 +261,8 @@ class Packer:
         self._order, self._starts = order, np.array(starts, np.int64)
         # ceil: short shards get a filler row
         self.steps_per_epoch = -(-(len(starts) - 1) // self.n_shards)
-        self._planned = (self.epoch, self.seed)
+        self._planned = epoch
+        return self.steps_per_epoch
 
     def truncated_supervised(self):
         """Supervised tokens past `budget` in their sample, per epoch (reads only those tails)."""
@@ -274,8 +272,8 @@ class Packer:
 
     def next_row(self):
         if self.step >= self.steps_per_epoch:
-            self.epoch, self.step = self.epoch + 1, 0
-            self._plan()
+            self.step = 0
+            self._plan(self.epoch + 1)
         r, self.step = self.shard + self.step * self.n_shards, self.step + 1
         idx = (self._order[self._starts[r]:self._starts[r + 1]] if r + 1 < len(self._starts)
                else self._order[:0])
@@ -295,23 +293,16 @@ class Packer:
                    self.epoch, r)
 
     def seek(self, steps):
-        """Go to the position after `steps` rows of this shard since the start of epoch 0 (epochs
-        differ in length: this walks the epoch plans, lengths only)."""
-        self.epoch = 0
-        self._plan()
-        while steps > self.steps_per_epoch:
-            steps, self.epoch = steps - self.steps_per_epoch, self.epoch + 1
-            self._plan()
+        """Go to `steps` rows from epoch 0's start (epoch lengths differ: walks each one's plan)."""
+        epoch = 0
+        while steps > self._plan(epoch):
+            steps, epoch = steps - self.steps_per_epoch, epoch + 1
         self.step = steps
 
     def total_steps(self, epochs):
         """Rows per shard in `epochs` whole epochs (what --epochs means in steps)."""
-        here, n = (self.epoch, self.step), 0
-        for self.epoch in range(epochs):
-            self._plan()
-            n += self.steps_per_epoch
-        self.epoch, self.step = here
-        self._plan()
+        epoch, n = self.epoch, sum(self._plan(e) for e in range(epochs))
+        self._plan(epoch)
         return n
 
 # -----------------------------------------------------------------------------
@@ -335,11 +326,10 @@ def make_demo(out_dir, samples=384, val_samples=32, new_tokens=48, seed=0, log=p
             pass  # not there, or not this demo: make it (Writer refuses to overwrite without force)
         import torch
         from target import Target, TargetConfig
-        rng, n, t0 = np.random.default_rng(seed), samples + val_samples, time.time()
-        cfg = TargetConfig.preset("tiny")
+        rng, cfg, t0 = np.random.default_rng(seed), TargetConfig.preset("tiny"), time.time()
         model = Target.build(cfg)
         prompts = [torch.from_numpy(rng.integers(1, cfg.vocab_size, rng.integers(8, 25)))
-                   for _ in range(n)]
+                   for _ in range(samples + val_samples)]
         # decoded (Target.greedy) on the CPU in fp32 whatever device trains: the same demo
         # everywhere; in one thread: this small a target's ops only pay a second thread's sync
         threads = torch.get_num_threads()

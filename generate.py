@@ -40,8 +40,7 @@ def speculative(target, drafter, prompt, max_new, eos=()):
                                              c.block_size, c.target_layer_ids, eos)
     return new, cycles, 1 + len(cycles)
 
-def _packed(seqs):
-    # sequences as the documents of one row: ids, cu_seqlens (CPU), doc and pos (on the device)
+def _packed(seqs):  # sequences as one row's documents: ids, cu_seqlens (CPU), doc, pos (device)
     lens, dev = torch.tensor([len(s) for s in seqs]), seqs[0].device
     cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
     return (torch.cat(seqs), cu, torch.repeat_interleave(torch.arange(len(seqs)), lens).to(dev),
@@ -70,8 +69,7 @@ def speculative_sampling(target, draft, prompts, max_new, temperature, generator
     going = lambda j: len(news[j]) < max_new and not any(t in eos for t in news[j][-B:])
     live = list(filter(going, range(len(prompts))))
     while live:
-        # one draft call for every live anchor (a placeholder feature row there), one target
-        # forward over every prompt + its proposals, packed as the documents of one row
+        # one draft call for every live anchor (a placeholder feature row there), then the forward
         ids, cu, doc, pos = _packed([seqs[j] for j in live])
         f = torch.cat([torch.cat([ctx[j], ctx[j].new_zeros(1, ctx[j].shape[1])]) for j in live])
         x, q = draft(f, ids, doc, pos, (cu[1:] - 1).to(dev))      # [m, B-1], [m, B-1, V]
@@ -198,14 +196,12 @@ def tau_summary(cycles, block_size):
                 tau_mean=sum(per) / max(n, 1), tau_mean_ci=ci(per), prompts=n, cycles=sum(x),
                 hist=[sum(c.count(k) for c in cycles) for k in range(1, block_size + 1)])
 
-def tau_text(r):
-    # tau_summary's dict as the commands print it, after "tau "
+def tau_text(r):  # tau_summary's dict as the commands print it, after "tau "
     return (f"{r['tau']:.3f} +- {r['tau_ci']:.3f} (accepted+1 per cycle over {r['cycles']} "
             f"cycles; 95% CI over {r['prompts']} prompts) | mean of per-prompt tau "
             f"{r['tau_mean']:.3f} +- {r['tau_mean_ci']:.3f}")
 
-def hist_line(hist):
-    # hist[k-1]: cycles that committed k tokens
+def hist_line(hist):  # hist[k-1]: cycles that committed k tokens
     return "accepted+1 per cycle, count of cycles: " + " ".join(
         f"{k}:{n}" for k, n in enumerate(hist, 1) if n)
 
@@ -221,8 +217,7 @@ def sampled_tau(target, drafter, prompts, max_new, temperature, seed, eos=()):
     return tau_summary(speculative_sampling(target, draft, prompts, max_new, temperature, g,
                                             c.block_size, c.target_layer_ids, eos)[1], c.block_size)
 
-def load_target(path, device, dtype):
-    # a checkpoint dir, or a preset's random weights
+def load_target(path, device, dtype):  # a checkpoint dir, or a preset's random weights
     return (Target.from_pretrained(path, device=device, dtype=dtype) if os.path.isdir(path)
             else Target.build(TargetConfig.preset(path), device=device, dtype=dtype))
 
@@ -248,15 +243,13 @@ def replay_dataset(target_path, drafter_path, data_dir, max_new, n=None, device=
 # -----------------------------------------------------------------------------
 # prompts
 
-def _samples(path, n=None):
-    # (ids, the index of the first supervised token) of a dataset's first n samples
+def _samples(path, n=None):  # (ids, index of the first supervised token) of the first n samples
     ds = open_dataset(path)
     return ((torch.from_numpy(t.astype("int64")), int(m.argmax()))
             for t, m in map(ds.sample, range(min(n or len(ds), len(ds)))))
 
 def dataset_prompts(data_dir, n):
-    """The prompts (tokens before the first supervised one) of the first n samples of DATA/val,
-    skipping samples supervised from their first token (no prompt). Raises DataError."""
+    """The first n prompts of DATA/val: the tokens before each sample's first supervised one."""
     val = os.path.join(data_dir, "val")
     if not os.path.exists(os.path.join(val, "meta.json")):
         raise DataError(f"--data {data_dir} has no val/ split; prepare it with `prepare.py --val "
@@ -264,8 +257,7 @@ def dataset_prompts(data_dir, n):
     return list(itertools.islice((s[:p] for s, p in _samples(val) if p), n))
 
 def chat_prompts(path, tokenizer, n, kwargs=None):
-    """The first n JSONL prompts as the serving engine renders them (prepare.Chat.prompt: the chat
-    template, add_generation_prompt=True, a final assistant message dropped). Raises DataError."""
+    """The first n JSONL prompts as the serving engine renders them (prepare.Chat.prompt)."""
     chat, prompts = Chat(tokenizer, kwargs, cmd="generate.py --prompts"), []
     with open(path) as f:
         for lineno, line in itertools.islice(((i, s) for i, s in enumerate(f, 1) if s.strip()), n):
@@ -275,8 +267,7 @@ def chat_prompts(path, tokenizer, n, kwargs=None):
                 raise DataError(f"{path}:{lineno}: {e}")
     return prompts
 
-def hf_eos(path):
-    # eos ids: generation_config.json, else config.json (or its text_config); a preset has none
+def hf_eos(path):  # eos ids: generation_config.json, else config.json (text_config); preset: []
     for file in (os.path.join(path, n) for n in ("generation_config.json", "config.json")):
         cfg = json.load(open(file)) if os.path.exists(file) else {}
         eos = cfg.get("eos_token_id", cfg.get("text_config", {}).get("eos_token_id"))
@@ -313,8 +304,7 @@ def main(argv=None):
     if not os.path.exists(os.path.join(args.drafter, "config.json")):
         sys.exit(f"error: --drafter {args.drafter}: no config.json there (train.py's OUT/drafter)")
     device, dtype = device_dtype()
-    # the drafter and the prompts before the target's weights: a bad file fails in seconds
-    try:
+    try:  # the drafter and the prompts before the target's weights: a bad file fails in seconds
         tcfg = (TargetConfig.from_hf(args.target) if os.path.isdir(args.target)
                 else TargetConfig.preset(args.target))
         drafter = Drafter.from_pretrained(args.drafter, device=device, dtype=dtype)

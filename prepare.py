@@ -36,8 +36,7 @@ SHAREGPT_ROLES = dict(human="user", gpt="assistant", chatgpt="assistant", bing="
                       bard="assistant", model="assistant", function="tool", observation="tool")
 
 def conversation(obj):
-    """A JSONL object ({"messages"}, ShareGPT {"conversations"} or {"prompt": str}) -> its OpenAI
-    messages, every key passed through (content, reasoning_content, tool_calls, ...); raises Bad."""
+    """A JSONL object -> its OpenAI messages, every key passed through; raises Bad."""
     if not isinstance(obj, dict):
         raise Bad("not a JSON object", f"got {type(obj).__name__}")
     if "conversations" in obj and "messages" not in obj:  # ShareGPT: a "from" not in the table
@@ -131,8 +130,7 @@ def split_think(content):
     return reasoning, content.split("</think>")[-1].lstrip("\n")
 
 def _answer_parts(m):
-    """The texts a rendered assistant turn must contain: its reasoning and its content's text,
-    inline thinking split out as the template splits it."""
+    """The texts a rendered assistant turn must contain: reasoning, content (split_think)."""
     c, r = m.get("content"), m.get("reasoning_content")
     pieces = [c] if isinstance(c, str) else [p["text"] for p in c or () if isinstance(p, dict)
                                             and isinstance(p.get("text"), str)]
@@ -164,11 +162,9 @@ class Chat:
         cfg_path, tok_file = (os.path.join(path, f"tokenizer{s}.json") for s in ("_config", ""))
         cfg = _json_file(cfg_path)
         # chat_template.jinja wins over tokenizer_config.json, as in transformers' loader
-        self.source = os.path.join(path, "chat_template.jinja")
-        if os.path.isfile(self.source):
-            text = open(self.source).read()
-        else:
-            text, self.source = cfg.get("chat_template"), cfg_path
+        jinja = os.path.join(path, "chat_template.jinja")
+        self.source = jinja if os.path.isfile(jinja) else cfg_path
+        text = open(jinja).read() if self.source == jinja else cfg.get("chat_template")
         if not isinstance(text, str):  # a list of named ones (older checkpoints) is refused too
             raise DataError(f"{path} has no chat template: neither chat_template.jinja nor a "
                             "\"chat_template\" string in tokenizer_config.json")
@@ -212,8 +208,7 @@ class Chat:
         return np.asarray(enc.ids, np.int64), off[:, 0], off[:, 1]
 
     def prompt(self, obj):
-        """A JSONL object's prompt ids as the engine feeds them to the target: a trailing
-        assistant message (a reference answer) dropped, the generation prompt added."""
+        """The ids the engine feeds the target: a final answer dropped, generation prompt added."""
         msgs = conversation(obj)
         msgs = msgs[:-1] if msgs[-1]["role"] == "assistant" else msgs
         if not msgs:
@@ -277,8 +272,7 @@ def _parse(line, chat, bound, turns, input, lineno):
     """One JSONL line -> ([(ids, mask), ...], counts, notes); raises Bad."""
     obj, counts, notes = load_line(line), {}, []
     if isinstance(obj, dict) and "input_ids" in obj:
-        # ragged or huge values make numpy raise; strings, floats and nesting are caught just below
-        try:
+        try:  # ragged or huge values make numpy raise; strings, floats, nesting are caught below
             ids = np.asarray(obj["input_ids"])
             mask = np.asarray(obj.get("loss_mask", np.ones(ids.shape, np.uint8)))
         except (ValueError, TypeError, OverflowError) as e:
@@ -321,8 +315,7 @@ def _work(chunk):
     return out
 
 def _processed(f, workers, chat, *args):
-    """_work over f's lines, in order: one at a time here, or chunks of 64 in a pool of `workers`
-    with at most 2 chunks per worker in flight, so memory stays flat."""
+    """_work on f's lines in order, here or pooled, 2 chunks a worker in flight: flat memory."""
     lines = enumerate(f, 1)
     chunks = iter(lambda: list(itertools.islice(lines, 64 if workers > 1 else 1)), [])
     if workers <= 1:
@@ -376,8 +369,7 @@ def prepare(input, out, tokenizer=None, val=None, vocab_size=None, force=False, 
                     shown[kind] += 1
                     if shown[kind] <= 10:
                         log(f"{input}:{lineno}: {kind}: {detail}")
-                # line i is held out when floor(i * n_val / n_lines) steps up: exactly n_val lines
-                i = lineno - 1
+                i = lineno - 1  # held out where floor(i * n_val / n_lines) steps up: n_val lines
                 held_out = bool(n_val) and (i + 1) * n_val // n_lines > i * n_val // n_lines
                 counts[held_out].update(c)
                 for ids, mask in samples or ():

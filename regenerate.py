@@ -114,11 +114,10 @@ def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temp
                 fail(lineno, e, "bad")
 
     def fail(lineno, e, kind):  # e: Bad(what is bad in the line, or the server; why)
-        why = str(e)
         n[kind] += 1
         if n["failed"] + n["bad"] <= 20:
-            tqdm.write(f"{input}:{lineno}: {why}")
-        fails.write(json.dumps({"input_line": lineno, "error": why}, ensure_ascii=False) + "\n")
+            tqdm.write(f"{input}:{lineno}: {e}")
+        fails.write(json.dumps({"input_line": lineno, "error": str(e)}, ensure_ascii=False) + "\n")
         bar.update(1)
 
     async def ask(client, url, history, tools):
@@ -206,18 +205,16 @@ def regenerate(input, out, servers, model, concurrency=64, max_tokens=4096, temp
 
     tls = ssl.create_default_context()  # one for all pools: each build reads the CA store
 
-    def client(url):
-        # a client, so a connection pool, per 16 workers: a pool's work per request grows with
-        # its connections, and 16 workers open at most 16 (under openai's default limits)
-        return openai.AsyncOpenAI(base_url=url, api_key=key, timeout=timeout, max_retries=0,
-                                  http_client=openai.DefaultAsyncHttpxClient(verify=tls))
-
     async def run():
         clients, tasks = [], []
         try:
             for url, i in itertools.product(servers, range(concurrency)):
+                # a client, so a connection pool, per 16 workers: a pool's work per request grows
+                # with its connections, and 16 workers open at most 16 (openai's default limits)
                 if i % 16 == 0:
-                    clients.append(client(url))
+                    clients.append(openai.AsyncOpenAI(
+                        base_url=url, api_key=key, timeout=timeout, max_retries=0,
+                        http_client=openai.DefaultAsyncHttpxClient(verify=tls)))
                 tasks.append(asyncio.ensure_future(worker(clients[-1], url)))
             await asyncio.gather(*tasks)
         finally:  # a worker's error: cancel the others before their clients close
