@@ -7,6 +7,7 @@ limit, flex silently runs a dense backward holding every layer's [heads, queries
 """
 import contextlib
 import getpass
+import importlib.util
 import json
 import os
 import shutil
@@ -69,7 +70,9 @@ def start(args, data_dir, ds, demand, lost, tcfg, dcfg):
              f"is not a row of the target's embedding (vocab {tcfg.vocab_size})"),
             (budget >= 2 * args.block_size, f"--budget {budget} must hold at least two blocks"),
             (args.row_anchors < budget, f"--row-anchors {args.row_anchors} is too many for "
-             f"--budget {budget}: at most {budget - 1}, one per position")]:
+             f"--budget {budget}: at most {budget - 1}, one per position"),
+            (not args.wandb or importlib.util.find_spec("wandb"), "--wandb needs the wandb package: "
+             "pip install wandb")]:
         if not ok:
             sys.exit("error: " + msg)
 

@@ -66,8 +66,7 @@ arg("--epochs", type=number(int, 1), help="passes over the data (6; or --max-ste
 arg("--max-steps", type=number(int, 1), help="optimizer steps (default: epochs' worth)")
 arg("--grad-clip", type=number(float, 0, above=True), default=1.0, help="gradient-norm clip")
 arg("--seed", type=number(int, 0), default=0, help="data order and anchor sampling seed")
-group = parser.add_argument_group("logging, eval and checkpoints")
-arg = group.add_argument
+arg = (group := parser.add_argument_group("logging, eval and checkpoints")).add_argument
 arg("--out", default="out", help="output dir: log.jsonl, ckpt.pt, drafter/ (z-lab export)")
 arg("--log-interval", type=number(int, 1), default=10, help="steps between log lines")
 arg("--eval-interval", type=number(int, 1), default=100, help="steps between evals (and last)")
@@ -93,10 +92,6 @@ if args.resume:
     checkpoint.run_flags(parser, args)
 args.epochs = args.epochs or 6
 rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-try:
-    wandb = package("wandb", "--wandb") if args.wandb else None
-except DataError as e:
-    sys.exit(f"error: {e}")
 rank_cache, cache_dirs = checks.rank_caches(args.cache_dir, rank, args.fresh_cache)  # not shared
 checks.explain_stops(rank, args.out, cache_dirs)
 
@@ -299,8 +294,8 @@ print0(f"anchors: up to {anchors_per_doc} per document, {row_anchors} slots per 
        f"{dropped:.1%} of the anchors asked for"
        + ("; raise --row-anchors to keep them" if dropped > 0.05 else ""))
 log_file = open(os.path.join(args.out, "log.jsonl"), "a") if rank == log_rank else None
-wandb = wandb and rank == log_rank and wandb.init(project=args.wandb, config=vars(args),
-                                                  name=os.path.basename(os.path.abspath(args.out)))
+wandb = args.wandb and rank == log_rank and package("wandb", "--wandb").init(  # checked at start
+    project=args.wandb, config=vars(args), name=os.path.basename(os.path.abspath(args.out)))
 
 def log(record, line):
     # the record first: a step a user saw on screen is on disk too, whatever kills the job next
