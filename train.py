@@ -51,7 +51,7 @@ arg("--sliding-window", type=int, help="tokens a sliding layer sees (all layers 
     "slide); 0: all full attention (default: the published drafter's, else 0)")
 arg = parser.add_argument_group("optimization").add_argument
 arg("--anchors", type=number(int, 1), default=16, help="draft blocks per document, at most")
-arg("--row-anchors", type=number(int, 0), default=0, help="draft blocks per packed row; 0: the "
+arg("--row-anchors", type=number(int, 0), default=0, help="anchor slots per packed row; 0: the "
     "data's 90th percentile, at most 4 * budget / block-size")
 arg("--gamma", type=number(float, 0, above=True), default=7.0, help="--loss dflash: slot k's "
     "weight exp(-(k-1)/gamma)")
@@ -81,7 +81,7 @@ arg("--plain-loss", action="store_true", help="the loss in plain autograd (model
 arg("--no-cuda-graphs", action="store_true", help="no CUDA graph replays of launch-bound passes")
 arg("--cache-dir", help="root of the per-rank Triton/Inductor caches (/tmp/dflash-cache-USER)")
 arg("--fresh-cache", action="store_true", help="empty this run's Triton/Inductor caches first")
-arg("--timeout", type=number(float, 0, above=True), default=900, help="s a rank waits for a peer")
+arg("--timeout", type=number(float, 0, above=True), default=900, help="seconds a rank waits for a peer")
 args = parser.parse_args()
 if args.epochs and args.max_steps:       # a flag a combination would ignore is refused
     parser.error("--epochs and --max-steps: give one")
