@@ -81,7 +81,7 @@ arg("--plain-loss", action="store_true", help="the loss in plain autograd (model
 arg("--no-cuda-graphs", action="store_true", help="no CUDA graph replays of launch-bound passes")
 arg("--cache-dir", help="root of the per-rank Triton/Inductor caches (/tmp/dflash-cache-USER)")
 arg("--fresh-cache", action="store_true", help="empty this run's Triton/Inductor caches first")
-arg("--timeout", type=number(float, 0, above=True), default=900, help="seconds a rank waits for a peer")
+arg("--timeout", type=number(float, 0, above=True), default=900, help="seconds to wait for a peer")
 args = parser.parse_args()
 if args.epochs and args.max_steps:       # a flag a combination would ignore is refused
     parser.error("--epochs and --max-steps: give one")
