@@ -23,11 +23,14 @@ import torch
 from model import SLIDING, TILE, DrafterConfig, block_lists, flex_kernel_options, row_attention
 
 def rank_caches(root, rank, fresh=False):
-    # this rank's cache dir, its Triton and Inductor caches (unless set): before anything compiles
+    # this rank's cache dir, its Triton and Inductor caches, before anything compiles: under
+    # --cache-dir root if given, else the environment's (a process that compiled set it), else /tmp
+    set_ = os.environ.__setitem__ if root else os.environ.setdefault
     root = root or os.path.join(tempfile.gettempdir(), f"dflash-cache-{getpass.getuser()}")
     rank_cache = os.path.join(root, f"rank{rank}")
-    dirs = [os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(rank_cache, "triton")),
-            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(rank_cache, "inductor"))]
+    for var, sub in (("TRITON_CACHE_DIR", "triton"), ("TORCHINDUCTOR_CACHE_DIR", "inductor")):
+        set_(var, os.path.join(rank_cache, sub))
+    dirs = [os.environ["TRITON_CACHE_DIR"], os.environ["TORCHINDUCTOR_CACHE_DIR"]]
     for d in (d for d in dirs if fresh and os.path.exists(d)):    # lazily: one may hold the other
         shutil.rmtree(d) if os.path.isdir(d) else os.remove(d)
     return rank_cache, dirs

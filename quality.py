@@ -343,15 +343,11 @@ def train_once(out, tdir, ddir, flags, retrain=False):
     with lock(out):
         if retrain or not (os.path.exists(log) and finished()):
             shutil.rmtree(out, ignore_errors=True)       # its taus too
-            # a cache of its own (the build's compiles set TORCHINDUCTOR_CACHE_DIR here: every run
-            # inheriting it would share it)
-            env = {k: v for k, v in os.environ.items()
-                   if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
             cmd = [sys.executable, os.path.join(HERE, "train.py"), "--target", tdir, "--data", ddir,
-                   "--out", out, "--cache-dir", out + ".cache", *flags]
+                   "--out", out, "--cache-dir", out + ".cache", *flags]   # caches of its own
             print("train: " + " ".join(cmd[1:]), flush=True)   # then minutes of silence
             with open(out + ".log", "w") as f:   # written as train.py runs
-                rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
+                rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
             if rc:
                 sys.exit(f"error: train.py failed (exit {rc}), log {out}.log:\n"
                          + open(out + ".log").read()[-3000:])

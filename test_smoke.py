@@ -2675,6 +2675,18 @@ def probe_config(**kw):
                          sliding_window=2048, rope_scaling=YARN, **kw)
 
 
+def test_rank_caches_precedence(tmp_path, monkeypatch):
+    """--cache-dir puts this rank's Triton and Inductor caches under it, whatever the environment says (a
+    parent that compiled sets TORCHINDUCTOR_CACHE_DIR: quality.py's runs inherit it); without it the
+    environment's choice stands."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inherited"))
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    _, dirs = checks.rank_caches(str(tmp_path / "c"), 3)
+    assert dirs == [str(tmp_path / "c" / "rank3" / "triton"), str(tmp_path / "c" / "rank3" / "inductor")]
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inherited"))
+    assert checks.rank_caches(None, 0)[1][1] == str(tmp_path / "inherited")
+
+
 def test_self_check_plumbing():
     out_err, grad_err, seconds = flex_matches_dense(probe_config(), "cpu", candidate=row_attention)
     assert out_err == 0.0 and grad_err == 0.0 and seconds > 0
