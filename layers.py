@@ -1,7 +1,7 @@
 """
 The building blocks both models are made of, as transformers computes them: RMSNorm, the SwiGLU
-MLP, RoPE with HF's default, linear and YaRN scalings (the drafter in model.py, the target in
-target.py: neither file imports the other for them); and two helpers their callers share.
+MLP, attention's weights, RoPE with HF's default, linear and YaRN scalings (the drafter in
+model.py, the target in target.py: neither imports the other for them); two shared helpers.
 """
 import math
 
@@ -96,6 +96,21 @@ class MLP(nn.Module):
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+class Attention(nn.Module):
+    """Qwen3 attention's weights: q, k, v, o projections, per-head q and k RMSNorms. gated:
+    Qwen3.5's (per head [query | gate] in q_proj, zero-centred norms). Forwards: each model's."""
+    def __init__(self, c, gated=False):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = (c.num_attention_heads,
+                                                        c.num_key_value_heads, c.head_dim)
+        q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, (2 if gated else 1) * q_dim, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, kv_dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, kv_dim, bias=False)
+        self.o_proj = nn.Linear(q_dim, c.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps, plus_one=gated)
+        self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps, plus_one=gated)
 
 def upload(t, device):
     # a host tensor to `device` without a host sync: .to() from pageable memory waits for the

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from layers import MLP, RMSNorm, apply_rope, check_rope, rope_cos_sin, rope_type
+from layers import MLP, Attention, RMSNorm, apply_rope, check_rope, rope_cos_sin, rope_type
 
 # -----------------------------------------------------------------------------
 # 1) anchors
@@ -337,20 +337,6 @@ def row_attention(config, anchors, keep, doc, S, flex=None, blocks=None):
             attend[kind] = functools.partial(flex_attention, block_mask=bm, enable_gqa=True,
                                              kernel_options=flex or None)
     return attend
-
-class Attention(nn.Module):
-    """Qwen3 attention's weights: q, k, v, o projections and per-head q, k RMSNorms."""
-    def __init__(self, c):
-        super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = (c.num_attention_heads,
-                                                        c.num_key_value_heads, c.head_dim)
-        q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(c.hidden_size, q_dim, bias=False)
-        self.k_proj = nn.Linear(c.hidden_size, kv_dim, bias=False)
-        self.v_proj = nn.Linear(c.hidden_size, kv_dim, bias=False)
-        self.o_proj = nn.Linear(q_dim, c.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
 
 class DrafterLayer(nn.Module):
     """A Qwen3 decoder layer whose attention queries are the block and keys/values [context ;

@@ -19,13 +19,12 @@ this file rewritten against it:
   .features_and_logits(ids, cu_seqlens, layer_ids, at), .logits(ids, cu_seqlens, at),
       .greedy(prompts, new_tokens, temperature, generator), .flops(cu_seqlens, n_layers):
       generate.py, quality.py, bench.py
-  optional GPU hooks, used where present: Target.compile_kernels() (autotuned kernels' configs
-      compiled at once), .graphed_features(layer_ids, log) -> a features(ids, cu_seqlens, train)
-      replaying CUDA graphs, or None
+  optional, used on a GPU where present: .graphed_features(layer_ids, log) -> a features(ids,
+      cu_seqlens, train) replaying CUDA graphs, or None
 Nothing else of this file is imported elsewhere (test_smoke.py checks), but by the commands made
 for this Qwen target alone: quality.py (Docs: it trains one from scratch) and bench.py
-(per_expert_linear: its check's reference for the MoE grouped GEMM). Its layers are layers.py's building blocks,
-which the drafter (model.py) shares; testdata/llama_target.py is a second target.
+(per_expert_linear: its check's reference for the MoE grouped GEMM). Its layers are layers.py's
+building blocks, shared with the drafter (model.py); testdata/llama_target.py is a second target.
 """
 import functools
 import json
@@ -39,8 +38,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from layers import MLP, RMSNorm, apply_rope, check_rope, positions_from_cu, rope_cos_sin, rope_type
-from layers import upload
+from layers import MLP, Attention, RMSNorm, apply_rope, check_rope, positions_from_cu
+from layers import rope_cos_sin, rope_type, upload
 
 # -----------------------------------------------------------------------------
 # packed documents on the CPU path: [T, ...] <-> [n_docs, longest, ...]
@@ -314,20 +313,10 @@ class TargetConfig:
                              f"choose one of {sorted(presets)} or pass a checkpoint dir")
         return cls(**presets[name])
 
-class GatedAttention(nn.Module):
+class GatedAttention(Attention):
     """Qwen3.5 full attention: causal GQA with q/k norm, partial RoPE and a sigmoid output gate."""
     def __init__(self, c):
-        super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = (c.num_attention_heads,
-                                                        c.num_key_value_heads, c.head_dim)
-        q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        # per head: [query | gate]
-        self.q_proj = nn.Linear(c.hidden_size, 2 * q_dim, bias=False)
-        self.k_proj = nn.Linear(c.hidden_size, kv_dim, bias=False)
-        self.v_proj = nn.Linear(c.hidden_size, kv_dim, bias=False)
-        self.o_proj = nn.Linear(q_dim, c.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps, plus_one=True)
-        self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps, plus_one=True)
+        super().__init__(c, gated=True)
 
     def forward(self, x, rope, docs, cache=None):
         T, hd = x.shape[0], self.head_dim
@@ -723,12 +712,8 @@ class Target(nn.Module):
             seq[:, t + 1] = torch.where(lens > t + 1, seq[:, t + 1], nxt)
         return seq
 
-    # optional GPU hooks, defined below: fla's autotuned configs compiled at once (a shorter cold
-    # start), the features replayed from CUDA graphs (None for MoE: its routing syncs)
-    @staticmethod
-    def compile_kernels():
-        return fla_configs_at_once()
-
+    # an optional GPU hook (FeatureGraphs, below): the features replayed from CUDA graphs (None
+    # for MoE: its routing syncs)
     def graphed_features(self, layer_ids, log=print):
         return None if self.config.num_experts else FeatureGraphs(self, layer_ids, log)
 
@@ -746,54 +731,8 @@ class Target(nn.Module):
         return 2 * linear * T + attn + gdn
 
 # -----------------------------------------------------------------------------
-# GPU hooks (train.py calls them when a target has them): fla's configs compiled at once, and
-# the features replayed from CUDA graphs when launch-bound
-
-def fla_configs_at_once():
-    """Triton's autotuner compiles each config of a kernel only as it benchmarks it. For each
-    Autotuner instance in fla's modules (also behind triton.heuristics; not the class: no other
-    kernel changes), a run with a new key first compiles every config together on a thread pool
-    (triton >= 3.4's AsyncCompileMode), then benchmarks and picks as before. Returns the count."""
-    import sys
-    from concurrent.futures import ThreadPoolExecutor
-    from triton.runtime.autotuner import Autotuner
-    from triton.runtime.jit import KernelInterface
-    try:
-        from triton.runtime._async_compile import AsyncCompileMode
-    except ImportError:                   # an older triton: one config after the other
-        return 0
-    _fla()                                # imports the modules of the target's kernels
-    found = {}
-    for name, module in list(sys.modules.items()):
-        if module is not None and name.split(".")[0] == "fla":
-            for kernel in list(vars(module).values()):
-                while isinstance(kernel, KernelInterface):
-                    if isinstance(kernel, Autotuner) and not hasattr(kernel, "configs_at_once"):
-                        found[id(kernel)] = kernel
-                    kernel = getattr(kernel, "fn", None)
-    pool = ThreadPoolExecutor(min(32, os.cpu_count() or 1))
-
-    def wrap(tuner):
-        run = tuner.run                   # the class's Autotuner.run, bound to this instance
-
-        def run_all_compiled(*args, **kwargs):
-            # Autotuner.run's own key: the key args' values, then every tensor argument's dtype
-            named = {k: v for k, v in {**dict(zip(tuner.arg_names, args)), **kwargs}.items()
-                     if k in tuner.arg_names}
-            key = tuple([named[k] for k in tuner.keys if k in named]
-                        + [str(v.dtype) for v in named.values() if hasattr(v, "dtype")])
-            if len(tuner.configs) > 1 and key not in tuner.cache:
-                # a config that fails to compile is left to the benchmark, which rules it out
-                with AsyncCompileMode(pool, ignore_errors=True):
-                    tuner.warmup(*args, **{k: v for k, v in kwargs.items() if k != "warmup"})
-            return run(*args, **kwargs)
-        # an instance attribute: kernel[grid](...) and an outer Heuristics look up .run on the
-        # instance, so they call this; Autotuner.run itself is untouched
-        tuner.run, tuner.configs_at_once = run_all_compiled, True
-
-    for tuner in found.values():
-        wrap(tuner)
-    return len(found)
+# a GPU hook (train.py calls it when a target has it): the features replayed from CUDA graphs
+# when launch-bound
 
 class FeatureGraphs:
     """target.features(ids, cu_seqlens, layer_ids) from CUDA graphs. Kernel grids depend on a

@@ -198,8 +198,6 @@ try:
     target = Target.build(tcfg, **kw) if preset else Target.from_pretrained(args.target, **kw)
 except (ValueError, KeyError, FileNotFoundError) as e:   # missing, misshapen, mis-scaled tensors
     sys.exit(f"error: --target {args.target}: {e.args[0] if isinstance(e, KeyError) else e}")
-if cuda and runs_target and hasattr(target, "compile_kernels"):    # optional Target hooks
-    target.compile_kernels()
 graphs_wanted = cuda and not args.no_compile and not args.no_cuda_graphs
 
 if runs_drafter:
