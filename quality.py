@@ -338,10 +338,10 @@ def train_once(out, tdir, ddir, flags, retrain=False):
     """train.py into out, unless a finished run is there (its `end` record and its export): the
     record of that run, {train_s, proxy, anchors}. A peer training into the same out waits."""
     log = os.path.join(out, "log.jsonl")
-    finished = lambda: os.path.exists(os.path.join(out, "drafter", "model.safetensors")) and any(
-        r["kind"] == "end" for r in map(json.loads, open(log)))
+    records = lambda: list(map(json.loads, open(log))) if os.path.exists(log) else []
     with lock(out):
-        if retrain or not (os.path.exists(log) and finished()):
+        if retrain or not (os.path.exists(os.path.join(out, "drafter", "model.safetensors"))
+                           and any(r["kind"] == "end" for r in records())):
             shutil.rmtree(out, ignore_errors=True)       # its taus too
             cmd = [sys.executable, os.path.join(HERE, "train.py"), "--target", tdir, "--data", ddir,
                    "--out", out, "--cache-dir", out + ".cache", *flags]   # caches of its own
@@ -353,7 +353,7 @@ def train_once(out, tdir, ddir, flags, retrain=False):
                          + open(out + ".log").read()[-3000:])
         else:
             print(f"reusing the finished run {out} (--retrain to train it again)", flush=True)
-    recs = list(map(json.loads, open(log)))
+    recs = records()
     ev = [r for r in recs if r["kind"] == "eval"][-1]
     anchors = next((ln.strip() for ln in open(out + ".log") if ln.startswith("anchors:")), "")
     print(f"{anchors}\neval step {ev['step']}: loss {ev['loss']:.4f} | accept {ev['accept']:.3f} "
@@ -415,10 +415,11 @@ def main(argv=None):
     # --compare: a child quality.py per configuration, side by side on this GPU; the table from
     # what they kept in their run dirs
     configs, procs, t0 = [shlex.split(c) for c in args.compare] or [argv[cut + 1:]], [], time.time()
+    outs = [run_dir(args.work, b, run_flags(user)) for user in configs]
     i = argv.index("--compare") if args.compare else 0   # its strings: right after it
     own = argv[:i] + argv[i + 1 + len(args.compare):]
-    for user in configs if args.compare else []:
-        log = run_dir(args.work, b, run_flags(user)) + ".quality.log"
+    for user, out in zip(configs, outs) if args.compare else []:
+        log = out + ".quality.log"
         print(f"'{' '.join(user)}': log {log}", flush=True)
         procs.append((subprocess.Popen([sys.executable, os.path.abspath(__file__), *own, "--",
                                         *user], stdout=open(log, "w"), stderr=subprocess.STDOUT), log))
@@ -428,12 +429,11 @@ def main(argv=None):
     if procs:
         print(f"{len(procs)} configurations side by side: {time.time() - t0:.0f} s", flush=True)
     rows = []
-    for user in configs:
-        out = run_dir(args.work, b, run_flags(user))
+    for user, out in zip(configs, outs):
         run = train_once(out, tdir, ddir, run_flags(user), args.retrain and not procs)
         taus = [tau_once(out, tdir, ddir, b, args.split, args.prompts, t, device)
                 for t in sorted({0.0, args.tau_temperature})]
-        rows.append((" ".join(user) or "(defaults)", run, taus[0], taus[1:] and taus[1] or None))
+        rows.append((" ".join(user) or "(defaults)", run, taus[0], (taus + [None])[1]))
     print(f"\nsplit {args.split}, {rows[0][2]['prompts']} prompts: tau over cycles (greedy, "
           "sampled) and the mean of per-prompt tau (greedy), +- 95% CI over prompts\n"
           + table(rows, args.tau_temperature))
