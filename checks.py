@@ -74,8 +74,8 @@ def start(args, data_dir, ds, demand, lost, tcfg, dcfg):
             (budget >= 2 * args.block_size, f"--budget {budget} must hold at least two blocks"),
             (args.row_anchors < budget, f"--row-anchors {args.row_anchors} is too many for "
              f"--budget {budget}: at most {budget - 1}, one per position"),
-            (not args.wandb or importlib.util.find_spec("wandb"), "--wandb needs the wandb package: "
-             "pip install wandb")]:
+            (not args.wandb or importlib.util.find_spec("wandb"),
+             "--wandb needs the wandb package: pip install wandb")]:
         if not ok:
             sys.exit("error: " + msg)
 

@@ -28,8 +28,8 @@ from layers import MLP, Attention, RMSNorm, apply_rope, check_rope, rope_cos_sin
 
 def sample_anchors(loss_mask, doc, anchors_per_doc, row_anchors):
     """The anchors of one packed row as the DFlash recipe samples them (paper sec. 4.2): in every
-    document, min(anchors_per_doc, eligible) positions uniformly without replacement, a being eligible iff
-    loss_mask[a] = loss_mask[a+1] = 1 in one document (a served token whose next token is
+    document, min(anchors_per_doc, eligible) positions uniformly without replacement, a eligible
+    iff loss_mask[a] = loss_mask[a+1] = 1 in one document (a served token whose next token is
     supervised); past its `row_anchors` slots a row keeps the lowest-ranked draws of every document
     (max-min fair). Sorted (keeps flex tiles sparse), on device, no host sync. Returns anchors
     [row_anchors] (0 in padded slots), keep [row_anchors] bool and the number wanted before the

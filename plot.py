@@ -35,10 +35,12 @@ def main(argv=None):
     for out in args.outs:
         if not os.path.exists(os.path.join(out, "log.jsonl")):
             sys.exit(f"error: {out}/log.jsonl not found: pass train.py's --out dirs")
+        name = os.path.basename(os.path.normpath(out))
         for kind, c in curves(out).items():
             for ax, k in zip(axes, ("loss", "accept", "lr", "tok_s")):
-                if c[k]:
-                    ax.plot(*zip(*c[k]), label=f"{os.path.basename(os.path.normpath(out))} {kind}", marker="." if kind == "eval" else None)
+                if c[k]:     # eval points marked
+                    mark = "." if kind == "eval" else None
+                    ax.plot(*zip(*c[k]), label=f"{name} {kind}", marker=mark)
     for ax, title in zip(axes, ("loss", "acceptance proxy (blocks)", "learning rate", "tokens/s")):
         ax.set_title(title), ax.set_xlabel("step"), ax.legend(fontsize=7)
     png = args.png or os.path.join(args.outs[0], "curves.png")

@@ -421,8 +421,8 @@ def main(argv=None):
     for user, out in zip(configs, outs) if args.compare else []:
         log = out + ".quality.log"
         print(f"'{' '.join(user)}': log {log}", flush=True)
-        procs.append((subprocess.Popen([sys.executable, os.path.abspath(__file__), *own, "--",
-                                        *user], stdout=open(log, "w"), stderr=subprocess.STDOUT), log))
+        cmd = [sys.executable, os.path.abspath(__file__), *own, "--", *user]
+        procs.append((subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT), log))
     for p, log in procs:
         if p.wait():
             sys.exit(f"error: {log}:\n" + open(log).read()[-3000:])
