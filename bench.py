@@ -5,6 +5,7 @@ GPU checks and measurements (needs CUDA and fla-core; not part of the CPU test s
   python bench.py target [--target qwen3.5-35b-a3b]   # the forward: ms, MFU, memory
   python bench.py drafter --anchors 512 [--sliding-window 0]   # train.py's step alone
 """
+import functools
 import json
 import os
 import subprocess
@@ -18,7 +19,7 @@ import torch
 import checks
 from layers import positions_from_cu
 from target import Target, TargetConfig, per_expert_linear
-from model import Drafter, DrafterConfig, drafter_loss, drafter_step, flex_kernel_options
+from model import Drafter, DrafterConfig, drafter_step, flex_kernel_options
 from model import sample_anchors
 from data import ArgParser
 
@@ -157,12 +158,13 @@ elif args.what == "drafter":
     row = dict(tokens=torch.randint(0, tcfg.vocab_size, (S,), device=dev), doc=doc, pos=pos,
                loss_mask=(torch.rand(S, device=dev) < 0.7).long())
     feats = torch.randn(S, len(dcfg.target_layer_ids) * tcfg.hidden_size, device=dev, dtype=bf16)
-    # as train.py: compiled once, kernel options made outside the graph; N anchors from any doc
-    loss = torch.compile(drafter_loss, fullgraph=True, dynamic=False)
-    kw = dict(anchors_per_doc=S, row_anchors=N, loss=loss, embed=tgt.embed_tokens.weight, gamma=7.0,
+    # train.py's step, compiled whole; N anchors from any document
+    kw = dict(anchors_per_doc=S, row_anchors=N, embed=tgt.embed_tokens.weight, gamma=7.0,
               head=tgt.lm_head.weight, flex=flex_kernel_options(dev))
+    drafter_step_c = torch.compile(functools.partial(drafter_step, d, **kw), fullgraph=True,
+                                   dynamic=False)
     def step():
-        drafter_step(d, feats, row, **kw)[0]["loss"].backward()
+        drafter_step_c(feats, row)[0]["loss"].backward()
         torch.nn.utils.clip_grad_norm_(d.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -84,8 +84,8 @@ def anchor_mask_mod(anchors, keep, doc, S, B, window=0):
 TILE = 128      # the BlockMask tile (queries x keys)
 
 def anchor_blocks(anchors, keep, doc, S, B, window=0):
-    """The BlockMask lists of anchor_mask_mod in closed form, eager and sort-free on the device:
-    (kv_num, kv_idx, full_kv_num, full_kv_idx, q_num, q_idx, full_q_num, full_q_idx) exactly as
+    """The BlockMask lists of anchor_mask_mod in closed form, sort-free on the device: (kv_num,
+    kv_idx, full_kv_num, full_kv_idx, q_num, q_idx, full_q_num, full_q_idx) exactly as
     create_block_mask returns them, minus its argsort (a Triton sort compiling for minutes,
     pytorch/pytorch#182060). Each document one run of `doc` (as packed), a query row of anchor j
     sees one interval of context, [start of a_j's document, a_j), and one of its own block."""
@@ -116,12 +116,15 @@ def anchor_blocks(anchors, keep, doc, S, B, window=0):
     hit = hit.view(R, TILE, -1).any(1)                                   # [q tiles, kv tiles]
     full = full.view(R, TILE, -1).all(1)
     partial = hit & ~full
-    # as flex's own: block count per row, indices of the set blocks first, ascending
+    # as flex's own: block count per row, indices of the set blocks first, ascending, then the
+    # rest; placed by running counts (a sort in a compiled graph compiles for minutes)
     def ordered(dense):
-        idx = torch.argsort(dense.to(torch.int32), dim=-1, descending=True, stable=True)
-        count = dense.sum(-1).to(torch.int32)
-        # flex reads the index lists row-major: keep them contiguous (argsort of a transpose is not)
-        return count[None, None], idx.to(torch.int32).contiguous()[None, None]
+        d = dense.to(torch.int32)
+        count = d.sum(-1)
+        slot = torch.where(dense, d.cumsum(-1), count[:, None] + (1 - d).cumsum(-1)) - 1
+        at = torch.arange(d.shape[-1], device=dev, dtype=torch.int32).expand_as(d)
+        # flex reads the index lists row-major: contiguous (a transpose's are not)
+        return count[None, None], torch.empty_like(d).scatter_(-1, slot.long(), at)[None, None]
     return (*ordered(partial), *ordered(full), *ordered(partial.t()), *ordered(full.t()))
 
 # -----------------------------------------------------------------------------
@@ -559,20 +562,15 @@ def config_from_json(cfg):
 # -----------------------------------------------------------------------------
 # 6) the drafter step
 
-def drafter_loss(drafter, feats, row, **kw):
-    """Drafter.forward on one packed row ({"tokens", "loss_mask", "doc", "pos"} [S], on device)
-    under bf16 autocast on GPU: the graph train.py compiles. Evals run it too, autograd recording
-    and no backward (saved activations freed with the output): no_grad would be a second graph."""
-    with torch.autocast("cuda", torch.bfloat16) if feats.is_cuda else nullcontext():
-        return drafter(feats, **{k: row[k] for k in ("tokens", "loss_mask", "doc", "pos")}, **kw)
-
-def drafter_step(drafter, feats, row, *, anchors_per_doc, row_anchors, loss=drafter_loss, **kw):
-    """A training step's drafter part on one packed row, before its backward: anchors (per document,
-    and slots per row), for flex their BlockMask lists (inductor's flex lowering rejects
-    masks made in the graph), then loss(..., **kw) -> (its dict, anchors wanted before the cut)."""
+def drafter_step(drafter, feats, row, *, anchors_per_doc, row_anchors, flex=None, **kw):
+    """THE drafter step, before its backward: what train.py compiles whole. One packed row ({"tokens",
+    "loss_mask", "doc", "pos"} [S], on device): its anchors (per document, slots per row), their
+    BlockMask lists (flex, GPU), Drafter.forward(**kw) under bf16 autocast on GPU -> (its dict,
+    the anchors wanted before the slots' cut)."""
     anchors, keep, wanted = sample_anchors(row["loss_mask"], row["doc"], anchors_per_doc,
                                            row_anchors)
     blocks = (block_lists(drafter.config, anchors, keep, row["doc"], row["doc"].shape[0])
-              if kw.get("flex") is not None else None)
-    with torch.enable_grad():   # one graph: an eval under no_grad would be another (a recompile)
-        return loss(drafter, feats, row, anchors=anchors, keep=keep, blocks=blocks, **kw), wanted
+              if flex is not None else None)
+    with torch.autocast("cuda", torch.bfloat16) if feats.is_cuda else nullcontext():
+        return drafter(feats, **{k: row[k] for k in ("tokens", "loss_mask", "doc", "pos")},
+                       anchors=anchors, keep=keep, flex=flex, blocks=blocks, **kw), wanted

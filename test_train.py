@@ -310,6 +310,27 @@ def test_nonfinite_skipped_whatever_the_optimizer(tmp_path):
     assert all(torch.isfinite(v).all() for v in weights.values())
 
 
+def test_eval_under_no_grad(tmp_path):
+    """A fork that evaluates under torch.no_grad() (the habit) runs train.py's one compiled graph: no
+    recompile (an error once warm), the same records as the unedited trainer."""
+    fork = tmp_path / "fork"
+    fork.mkdir()
+    for f in ("train.py", "model.py", "data.py", "checks.py", "checkpoint.py", "target.py", "layers.py"):
+        shutil.copy(os.path.join(HERE, f), fork / f)
+    src = (fork / "train.py").read_text()
+    habit = ('        out, wanted = step_fn(feats, unpack_row(packed))\n',
+             '        with torch.no_grad():\n            out, wanted = step_fn(feats, unpack_row(packed))\n')
+    assert src.count(habit[0]) == 1 and 'kind == "eval"' in src.split(habit[0])[0][-200:]
+    (fork / "train.py").write_text(src.replace(*habit))
+    flags = ["--max-steps", 4, "--log-interval", 2, "--eval-interval", 2, "--data", demo_data()]
+    for name, script in (("habit", fork / "train.py"), ("plain", os.path.join(HERE, "train.py"))):
+        r = subprocess.run([sys.executable, script, "--out", tmp_path / name, *map(str, flags)], cwd=fork,
+                           env=clean_env(), capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert curve(tmp_path / "habit") == curve(tmp_path / "plain") and len(train_log(tmp_path / "habit", "eval")) == 3
+    assert all(r["graphs"] == 1 for r in train_log(tmp_path / "habit"))
+
+
 def drafter_pids(out):
     """The pids of the local-rank-1 (drafter) processes of a torchrun job of train.py --out OUT."""
     pids = []

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import checks
 import checkpoint
 from data import ArgParser, DataError, Packer, make_demo, number, open_dataset, package
-from model import Drafter, DrafterConfig, drafter_loss, drafter_step, flex_kernel_options
+from model import Drafter, DrafterConfig, drafter_step, flex_kernel_options
 from model import sample_anchors
 from layers import upload
 from target import Target, TargetConfig
@@ -214,21 +214,25 @@ if runs_drafter:
     params = list(drafter.parameters())
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, fused=True)
     device_skip = bool(opt.defaults.get("fused"))   # it reads opt.found_inf (update())
-    loss_fn = drafter_loss
+    # THE drafter step (model.drafter_step: anchors, BlockMask lists, forward, loss) compiled
+    # whole, backward through it; update() runs the all-reduce, clip and AdamW after it, eagerly
+    step = functools.partial(
+        drafter_step, drafter, anchors_per_doc=anchors_per_doc, row_anchors=row_anchors,
+        embed=target.embed_tokens.weight, head=target.lm_head.weight, gamma=args.gamma,
+        flex=flex_kernel_options(device) if cuda else None, ce_chunk=0 if args.plain_loss else 1024,
+        dpace=args.dpace_alpha if args.loss == "dpace" else None)
     if not args.no_compile:
         # a recompile after warm-up, or a hit recompile limit, would silently run flex_attention's
         # dense backward: both are errors instead (and, on GPU, flex run eagerly)
         torch._dynamo.config.fail_on_recompile_limit_hit = True
-        loss_fn = torch.compile(drafter_loss, fullgraph=True, dynamic=False)
+        torch._inductor.config.fallback_random = True   # anchors drawn as eagerly: --no-compile's
+        step = torch.compile(step, fullgraph=True, dynamic=False)
         if cuda:
             warnings.filterwarnings("error", ".*flex_attention called without torch.compile")
-    step_fn = functools.partial(
-        drafter_step, drafter, anchors_per_doc=anchors_per_doc, row_anchors=row_anchors,
-        loss=loss_fn,
-        embed=target.embed_tokens.weight, head=target.lm_head.weight, gamma=args.gamma,
-        flex=flex_kernel_options(device) if cuda else None,
-        dpace=args.dpace_alpha if args.loss == "dpace" else None, ce_chunk=0 if args.plain_loss
-        else 1024)
+
+    def step_fn(feats, row):
+        with torch.enable_grad():   # one graph: an eval under no_grad would be another (recompile)
+            return step(feats, row)
 
 # the output dir, once the inputs are checked: one run at a time, none replaced by accident
 # (checkpoint.py; the log rank's)
