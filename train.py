@@ -216,7 +216,7 @@ if runs_drafter:
     device_skip = bool(opt.defaults.get("fused"))   # it reads opt.found_inf (update())
     # THE drafter step (model.drafter_step: anchors, BlockMask lists, forward, loss) compiled
     # whole, backward through it; update() runs the all-reduce, clip and AdamW after it, eagerly
-    step = functools.partial(
+    whole_step = functools.partial(
         drafter_step, drafter, anchors_per_doc=anchors_per_doc, row_anchors=row_anchors,
         embed=target.embed_tokens.weight, head=target.lm_head.weight, gamma=args.gamma,
         flex=flex_kernel_options(device) if cuda else None, ce_chunk=0 if args.plain_loss else 1024,
@@ -226,13 +226,13 @@ if runs_drafter:
         # dense backward: both are errors instead (and, on GPU, flex run eagerly)
         torch._dynamo.config.fail_on_recompile_limit_hit = True
         torch._inductor.config.fallback_random = True   # anchors drawn as eagerly: --no-compile's
-        step = torch.compile(step, fullgraph=True, dynamic=False)
+        whole_step = torch.compile(whole_step, fullgraph=True, dynamic=False)
         if cuda:
             warnings.filterwarnings("error", ".*flex_attention called without torch.compile")
 
     def step_fn(feats, row):
         with torch.enable_grad():   # one graph: an eval under no_grad would be another (recompile)
-            return step(feats, row)
+            return whole_step(feats, row)
 
 # the output dir, once the inputs are checked: one run at a time, none replaced by accident
 # (checkpoint.py; the log rank's)
