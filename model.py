@@ -120,7 +120,7 @@ def anchor_blocks(anchors, keep, doc, S, B, window=0):
     # rest; placed by running counts (a sort in a compiled graph compiles for minutes)
     def ordered(dense):
         d = dense.to(torch.int32)
-        count = d.sum(-1)
+        count = d.sum(-1, dtype=torch.int32)
         slot = torch.where(dense, d.cumsum(-1), count[:, None] + (1 - d).cumsum(-1)) - 1
         at = torch.arange(d.shape[-1], device=dev, dtype=torch.int32).expand_as(d)
         # flex reads the index lists row-major: contiguous (a transpose's are not)
