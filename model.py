@@ -124,7 +124,8 @@ def anchor_blocks(anchors, keep, doc, S, B, window=0):
         slot = torch.where(dense, d.cumsum(-1), count[:, None] + (1 - d).cumsum(-1)) - 1
         at = torch.arange(d.shape[-1], device=dev, dtype=torch.int32).expand_as(d)
         # flex reads the index lists row-major: contiguous (a transpose's are not)
-        return count[None, None], torch.empty_like(d).scatter_(-1, slot.long(), at)[None, None]
+        idx = torch.empty(d.shape, dtype=torch.int32, device=dev)
+        return count[None, None], idx.scatter_(-1, slot.long(), at)[None, None]
     return (*ordered(partial), *ordered(full), *ordered(partial.t()), *ordered(full.t()))
 
 # -----------------------------------------------------------------------------
