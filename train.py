@@ -229,10 +229,7 @@ if runs_drafter:
         whole_step = torch.compile(whole_step, fullgraph=True, dynamic=False)
         if cuda:
             warnings.filterwarnings("error", ".*flex_attention called without torch.compile")
-
-    def step_fn(feats, row):
-        with torch.enable_grad():   # one graph: an eval under no_grad would be another (recompile)
-            return whole_step(feats, row)
+    step_fn = torch.enable_grad()(whole_step)   # one graph: under no_grad an eval would recompile
 
 # the output dir, once the inputs are checked: one run at a time, none replaced by accident
 # (checkpoint.py; the log rank's)
