@@ -21,10 +21,9 @@ this file rewritten against it:
       generate.py, quality.py, bench.py
   optional, used on a GPU where present: .graphed_features(layer_ids, log) -> a features(ids,
       cu_seqlens, train) replaying CUDA graphs, or None
-Nothing else of this file is imported elsewhere (test_smoke.py checks), but by the commands made
-for this Qwen target alone: quality.py (Docs: it trains one from scratch) and bench.py
-(per_expert_linear: its check's reference for the MoE grouped GEMM). Its layers are layers.py's
-building blocks, shared with the drafter (model.py); testdata/llama_target.py is a second target.
+Nothing else of it is imported elsewhere (test_smoke.py checks) but by two Qwen-only commands:
+quality.py (Docs: it trains one) and bench.py (per_expert_linear: the MoE GEMM check's reference).
+Its layers are layers.py's, shared with the drafter; testdata/llama_target.py is a second target.
 """
 import functools
 import json
@@ -623,8 +622,7 @@ class Target(nn.Module):
                 present = set(f.keys())
                 for key, shape, out in items:
                     if key not in present:
-                        raise KeyError(f"{file}: tensor {key} listed in the index is not in this "
-                                       "file")
+                        raise KeyError(f"{file}: tensor {key}, listed in the index, is not in it")
                     t = f.get_tensor(key)
                     if tuple(t.shape) != shape:
                         raise ValueError(f"{file}: tensor {key} has shape {tuple(t.shape)}, "
@@ -653,10 +651,9 @@ class Target(nn.Module):
                               for name, keys in keys_of.items()})
 
     def _run(self, ids, cu_seqlens, layer_ids, stop, prepared=None, caches=None):
-        # layers [0, stop) over ids [T] (device) -> (layer_ids' outputs concatenated or None, the
-        # last layer's output). Packed documents: cu_seqlens [n+1] long on the CPU, or prepared =
-        # (Docs, positions [T]) (speedups.FeatureGraphs' buffers); a decoding step (greedy):
-        # prepared = (None, positions [T]) and caches, one per layer
+        # layers [0, stop) over ids [T] -> (layer_ids' outputs concatenated or None, the last
+        # layer's). Documents: cu_seqlens [n+1] on the CPU, or prepared = (Docs, positions [T])
+        # (FeatureGraphs' buffers); a decoding step (greedy): (None, positions [T]) and caches
         c, h, taps = self.config, self.embed_tokens(ids), {}
         docs, pos = prepared or (Docs.of(cu_seqlens, h.device),
                                  upload(positions_from_cu(cu_seqlens), h.device))
@@ -699,9 +696,7 @@ class Target(nn.Module):
             "greedy needs every layer and the head: build the target without n_layers")
         dev, n = self.embed_tokens.weight.device, len(prompts)
         lens = torch.tensor([len(p) for p in prompts], device=dev)
-        seq = torch.zeros(n, int(lens.max()) + new_tokens, dtype=torch.long, device=dev)
-        for j, p in enumerate(prompts):
-            seq[j, :len(p)] = p
+        seq = F.pad(nn.utils.rnn.pad_sequence(prompts, True), (0, new_tokens)).to(dev, torch.long)
         caches = [dict(size=seq.shape[1]) for _ in self.layers]
         for t in range(seq.shape[1] - 1):     # every sequence is at position t
             _, h = self._run(seq[:, t], None, (), self.n_layers,
@@ -712,8 +707,6 @@ class Target(nn.Module):
             seq[:, t + 1] = torch.where(lens > t + 1, seq[:, t + 1], nxt)
         return seq
 
-    # an optional GPU hook (FeatureGraphs, below): the features replayed from CUDA graphs (None
-    # for MoE: its routing syncs)
     def graphed_features(self, layer_ids, log=print):
         return None if self.config.num_experts else FeatureGraphs(self, layer_ids, log)
 
@@ -731,8 +724,7 @@ class Target(nn.Module):
         return 2 * linear * T + attn + gdn
 
 # -----------------------------------------------------------------------------
-# a GPU hook (train.py calls it when a target has it): the features replayed from CUDA graphs
-# when launch-bound
+# Target.graphed_features, a GPU hook train.py calls: the features replayed from CUDA graphs
 
 class FeatureGraphs:
     """target.features(ids, cu_seqlens, layer_ids) from CUDA graphs. Kernel grids depend on a
