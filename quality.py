@@ -41,6 +41,9 @@ SKIP = {"test", "tests", "testing", "__pycache__", "site-packages", "dist-packag
         "turtledemo", "lib2to3", "ensurepip"}
 HERE = os.path.dirname(os.path.abspath(__file__))
 
+def digest(obj):   # the cache's names: a short hash of a JSON value
+    return hashlib.sha1(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:10]
+
 @dataclass
 class Build:
     """Everything the target and its data depend on; the cache key. --target-FIELD on the command
@@ -61,8 +64,7 @@ class Build:
     seed: int = 0
 
     def key(self, fields=None):
-        d = {k: getattr(self, k) for k in fields} if fields else asdict(self)
-        return hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:10]
+        return digest({k: getattr(self, k) for k in fields} if fields else asdict(self))
 
 HELP = dict(vocab="target BPE vocab, tokens (<|endoftext|> and <|mask|> included)",
             hidden="target width d_model", layers="target decoder layers: every 4th full "
@@ -329,11 +331,6 @@ def run_flags(user):
         flags += ["--epochs", "12"]
     return flags
 
-def run_dir(work, b, flags):
-    # train.py's --out: keyed by the build and the flags
-    return os.path.join(work, "run-" + hashlib.sha1(json.dumps([b.key(), flags]).encode())
-                        .hexdigest()[:10])
-
 def train_once(out, tdir, ddir, flags, retrain=False):
     """train.py into out, unless a finished run is there (its `end` record and its export): the
     record of that run, {train_s, proxy, anchors}. A peer training into the same out waits."""
@@ -413,9 +410,9 @@ def main(argv=None):
     if args.build_only:
         return
     # --compare: a child quality.py per configuration, side by side on this GPU; the table from
-    # what they kept in their run dirs
+    # what they kept in their run dirs (train.py's --out, keyed by the build and the flags)
     configs, procs, t0 = [shlex.split(c) for c in args.compare] or [argv[cut + 1:]], [], time.time()
-    outs = [run_dir(args.work, b, run_flags(user)) for user in configs]
+    outs = [os.path.join(args.work, "run-" + digest([b.key(), run_flags(u)])) for u in configs]
     i = argv.index("--compare") if args.compare else 0   # its strings: right after it
     own = argv[:i] + argv[i + 1 + len(args.compare):]
     for user, out in zip(configs, outs) if args.compare else []:
