@@ -10,12 +10,11 @@ imports this file only for a config with conv_kernel_size > 0. In reading order:
 Notation: B slots per block, H hidden, K conv taps, G channels per group, r the selector's rank,
 top_k candidates per slot, V the vocabulary.
 """
+from dataclasses import replace
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-# the dflash_config fields DFlash2 adds (and the only ones it exports), DrafterConfig's names
-FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 # -----------------------------------------------------------------------------
 # 1) the convolution
@@ -154,8 +153,21 @@ class Selector(nn.Module):
         conv = 2 * c.num_hidden_layers * 2 * Q * H * 2 * c.conv_kernel_size * H // c.conv_group_size
         return 3 * (conv + 2 * Q * H * r + 2 * Q * k * (r + H))
 
-def init_(drafter):
-    # Drafter.__init__ draws every matrix normal(0.02): DFlash2's parts back to their own init
-    for m in drafter.modules():
-        if isinstance(m, (Conv, Selector)):
-            m.reset()
+# -----------------------------------------------------------------------------
+# 4) a DFlash drafter made DFlash2
+
+def extend(drafter):
+    """Drafter.__init__'s DFlash2 parts: a conv around each layer's attention and MLP, the
+    selector; after its normal(0.02) draws, at their own init (the convs the identity)."""
+    c = drafter.config
+    for layer in drafter.layers:
+        layer.attention_conv, layer.mlp_conv = Conv(c), Conv(c)
+    drafter.candidate_selector = Selector(c)
+
+def upgrade(drafter, **fields):
+    """A DFlash drafter (e.g. --init-drafter's export) as a DFlash2 one with these DFLASH2 fields:
+    every tensor it has copied, the new ones at their init (identity: the same outputs)."""
+    new = type(drafter)(replace(drafter.config, **fields)).to(drafter.fc.weight.device)
+    missing, unexpected = new.load_state_dict(drafter.state_dict(), strict=False)
+    assert not unexpected and all("_conv." in k or "_selector." in k for k in missing), missing
+    return new

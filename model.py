@@ -145,7 +145,7 @@ class _WeightedCE(torch.autograd.Function):
     logits never exist at once), the gradient wrt h made in the forward (no second logits GEMM in
     the backward). dpace=alpha: w is the 0/1 supervision, each block's weights dpace_weights of the
     slots' own probabilities (chunks of whole blocks of B rows), constants for the gradient.
-    top_k > 0 (DFlash2) also returns each row's top_k logits + its label's, and their ids."""
+    top_k > 0 (DFlash2): also each row's top_k logits and its label's [rows, top_k + 1], ids."""
     @staticmethod
     def forward(ctx, h, weight, labels, w, chunk, B=None, dpace=None, top_k=0):
         loss, pred, grads, tops = h.new_zeros((), dtype=torch.float32), [], [], []
@@ -167,8 +167,7 @@ class _WeightedCE(torch.autograd.Function):
                                         dpace).view(-1)
             loss = loss + (w_chunk * ce.masked_fill(w_chunk == 0, 0.0)).sum()   # no NaN * 0
             pred.append(logits.argmax(-1))
-            if top_k:
-                tops.append(_top(logits, gold, top_k))
+            tops += [_top(logits, gold, top_k)] if top_k else []
             if ctx.needs_input_grad[0]:
                 p = (logits - lse[:, None]).exp()                       # d CE / d logits: softmax
                 p = p.scatter_add(1, y, torch.full_like(y, -1, dtype=logits.dtype))   # - onehot
@@ -364,10 +363,7 @@ class DrafterLayer(nn.Module):
         self.self_attn = Attention(c)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c.hidden_size, c.intermediate_size)
-        self.attention_conv = self.mlp_conv = None
-        if c.conv_kernel_size:     # DFlash2: block-local convolutions around both sublayers
-            from dflash2 import Conv
-            self.attention_conv, self.mlp_conv = Conv(c), Conv(c)
+        self.attention_conv = self.mlp_conv = None      # DFlash2's (dflash2.extend)
 
     def forward(self, h, ctx, rope_q, rope_kv, attend):
         def attention(x):
@@ -393,10 +389,9 @@ class Drafter(nn.Module):
         for p in self.parameters():      # Qwen3 init: normal(0.02) matrices, norms at 1
             if p.dim() == 2:
                 nn.init.normal_(p, std=0.02)
-        if c.conv_kernel_size:           # DFlash2: the selector; its parts' own inits after
+        if c.conv_kernel_size:           # DFlash2: convolutions, a candidate selector
             import dflash2
-            self.candidate_selector = dflash2.Selector(c)
-            dflash2.init_(self)
+            dflash2.extend(self)
 
     def context(self, feats):   # target features [S, n_feat*H] -> [S, H], k/v of every layer
         return self.hidden_norm(self.fc(feats))
@@ -404,8 +399,7 @@ class Drafter(nn.Module):
     def hidden(self, ctx, ctx_pos, block_emb, block_pos, attend):
         """ctx [S, H] = context(target features), block_emb [Q, H], positions for RoPE, attend
         {layer kind: attention function} -> [Q, H], final-normed."""
-        c = self.config
-        rope_q = drafter_rope(block_pos, c)
+        c, rope_q = self.config, drafter_rope(block_pos, self.config)
         rope_kv = drafter_rope(torch.cat([ctx_pos, block_pos]), c)
         h = block_emb.to(ctx.dtype)
         for layer, kind in zip(self.layers, c.layer_types):
@@ -497,7 +491,11 @@ class Drafter(nn.Module):
         cfg = asdict(self.config)   # every field; mask_token_id, target_layer_ids in dflash_config
         dflash = dict(block_size=cfg["block_size"], mask_token_id=cfg.pop("mask_token_id"),
                       target_layer_ids=cfg.pop("target_layer_ids"))
-        cfg = dict(architectures=["DFlashDraftModel"], model_type="qwen3", dflash_config=dflash,
+        d2 = {k: cfg.pop(k) for k in list(cfg) if k.startswith(("conv_", "selector_"))}  # DFlash2
+        if d2["conv_kernel_size"]:   # z-lab's unary transforms off: the raw head logits
+            dflash.update(d2, output_multiplier=1.0, final_logit_softcapping=0.0)
+        arch = "DFlash2DraftModel" if d2["conv_kernel_size"] else "DFlashDraftModel"
+        cfg = dict(architectures=[arch], model_type="qwen3", dflash_config=dflash,
                    **cfg, hidden_act="silu", attention_bias=False, attention_dropout=0.0,
                    initializer_range=0.02, dtype="bfloat16", torch_dtype="bfloat16", use_cache=True)
         tensors = {k: v.detach().to(torch.bfloat16).contiguous().cpu()
@@ -558,7 +556,8 @@ def config_from_json(cfg):
     if not {"mask_token_id", "target_layer_ids"} <= set(dflash):
         raise ValueError("no dflash_config with mask_token_id and target_layer_ids: not a DFlash "
                          "drafter config")
-    kw = {k: v for k, v in cfg.items() if k in DrafterConfig.__dataclass_fields__}
+    # DrafterConfig's fields, at the top level or (DFlash2's) in dflash_config
+    kw = {k: v for k, v in {**cfg, **dflash}.items() if k in DrafterConfig.__dataclass_fields__}
     kw.update(block_size=dflash.get("block_size", cfg.get("block_size", 16)),
               mask_token_id=dflash["mask_token_id"], target_layer_ids=dflash["target_layer_ids"])
     rope = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
@@ -585,7 +584,9 @@ def config_from_json(cfg):
              "top-level original_max_position_embeddings is not supported: put it in rope_scaling"),
             (causal is None or kinds == {SLIDING if causal else FULL},
              f"is_causal / dflash_config.causal {causal}: this drafter trains sliding layers "
-             f"causal, full ones bidirectional, as the engines serve layer_types {sorted(kinds)}")]:
+             f"causal, full ones bidirectional, as the engines serve layer_types {sorted(kinds)}"),
+            ((dflash.get("output_multiplier", 1), dflash.get("final_logit_softcapping", 0)) == (
+                1, 0), "output_multiplier 1, final_logit_softcapping 0 only: the raw logits")]:
         if not ok:
             raise ValueError(msg)
     return DrafterConfig(**kw)
