@@ -16,6 +16,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+# the dflash_config fields DFlash2 adds (model.DrafterConfig's names; exported only by DFlash2)
+FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
 # -----------------------------------------------------------------------------
 # 1) the convolution
 
@@ -144,6 +147,16 @@ class Selector(nn.Module):
         return dict(out, loss=out["loss"] + alpha * loss, selector_loss=loss.detach(),
                     topk_hit=(found.view(N, B) & supervised).sum(), selector_correct=right.sum(),
                     walk_accept_sum=(walked * keep).sum())
+
+    @staticmethod
+    def metrics(m):
+        """An eval's record fields and console text from the drafters' sums m (Drafter.forward's
+        dict summed): top-K recall and the selector's accuracy over the supervised slots, its
+        walk's teacher-forced accepted length (beside the plain argmax's `accept`)."""
+        n, blocks = m["slot_count"].sum().clamp(min=1), max(m["blocks"].item(), 1)
+        r = dict(topk_recall=(m["topk_hit"] / n).item(), selector_acc=(m["selector_correct"] /
+                 n).item(), walk_accept=m["walk_accept_sum"].item() / blocks)
+        return r, "".join(f" | {k.replace('_', ' ')} {v:.3f}" for k, v in r.items())
 
     def flops(self, Q):
         """Matmul FLOPs of DFlash2's parts in a training step (fwd + bwd) over Q block tokens: the
