@@ -4024,3 +4024,57 @@ def test_dflash2_export_keys_and_reload(tmp_path, drafter_rows):
     Drafter(dataclasses.replace(cfg, conv_kernel_size=0)).save_pretrained(str(tmp_path / "d1"))
     j = json.load(open(tmp_path / "d1" / "config.json"))
     assert j["architectures"] == ["DFlashDraftModel"] and not set(D2) & (set(j) | set(j["dflash_config"]))
+
+
+def test_dflash2_speculative_equals_greedy_and_replay(gen):
+    """The trained demo drafter made DFlash2 with a random selector (its walk is not the argmax): speculative
+    decoding == greedy decoding, and replay gives the loop's accepted lengths cycle by cycle."""
+    d = dflash2.upgrade(gen.drafter, **D2)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in d.candidate_selector.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    prompts, conts = gen.prompts[:4], gen.cont[:4]
+    want = []
+    for p, cont in zip(prompts, conts):
+        spec, cycles, _ = generate.speculative(gen.t, d, p, MAX_NEW)
+        assert spec == cont[:MAX_NEW]
+        want.append(cycles)
+    seqs = [torch.cat([p, torch.tensor(c)]) for p, c in zip(prompts, conts)]
+    got, differ = generate.replay(gen.t, d, seqs, [len(p) for p in prompts], MAX_NEW, batch=3)
+    assert got == want and differ == 0
+    p = prompts[0]
+    feats = gen.t.features(p, torch.tensor([0, len(p)]), d.config.target_layer_ids)
+    walked, logits = d.propose(feats[:-1], torch.arange(len(p) - 1), int(p[-1]), len(p) - 1,
+                               gen.t.embed_tokens.weight, gen.t.lm_head.weight)
+    assert not torch.equal(walked, logits.argmax(-1))
+
+
+def test_dflash2_speculative_sampling_keeps_the_target_distribution():
+    """As test_speculative_sampling_keeps_the_target_distribution, at T = 1, the proposals DFlash2's sampled
+    walk (generate.propose_at) over the top-3 of 8 tokens, q zero outside them: the 2nd and 3rd emitted tokens
+    follow the target's own sampling marginals (chi-square below its 0.999 quantile)."""
+    cfg = dataclasses.replace(TargetConfig.preset("tiny"), vocab_size=8)
+    t, T, B = Target.build(cfg), 1.0, 4
+    dc = DrafterConfig.from_target(cfg, n_feat=1, num_hidden_layers=1, block_size=B, **dict(D2, selector_top_k=3))
+    d = randomize_drafter_(Drafter(dc), 5)
+    prompt, g = torch.tensor([3, 1, 4, 1, 5]), torch.Generator().manual_seed(0)
+
+    def draft(feats, tokens, doc, pos, anchors):
+        x, q = generate.propose_at(d, t, d.context(feats), tokens, doc, pos, anchors, T, g)
+        assert ((q > 0).sum(-1) == 3).all() and torch.allclose(q.sum(-1), torch.ones(()))
+        return x, q
+    with torch.no_grad():
+        news, cycles = generate.speculative_sampling(t, draft, [prompt] * 600, 3, T, g, B, dc.target_layer_ids)
+    assert all(len(new) == 3 for new in news) and any(c[0] < B for c in cycles) and any(c[0] > 1 for c in cycles)
+
+    def next_probs(prefixes):
+        seqs = [torch.cat([prompt, torch.tensor(x, dtype=torch.long)]) for x in prefixes]
+        cu = torch.tensor([0] + np.cumsum([len(s) for s in seqs]).tolist())
+        return (t.logits(torch.cat(seqs), cu, at=cu[1:] - 1) / T).softmax(-1).double()
+    p12 = next_probs([[]])[0][:, None] * next_probs([[a] for a in range(8)])                # [x1, x2]
+    p3 = (p12.view(-1, 1) * next_probs([[a, b] for a in range(8) for b in range(8)])).sum(0)
+    for k, probs in ((1, p12.sum(0)), (2, p3)):
+        stat, dof = chi_square(torch.tensor([new[k] for new in news]), probs)
+        quantile = {7: 24.32, 6: 22.46, 5: 20.52, 4: 18.47, 3: 16.27}[dof]
+        assert stat < quantile, (k, stat, dof)
