@@ -4065,7 +4065,7 @@ def test_dflash2_speculative_sampling_keeps_the_target_distribution():
         assert ((q > 0).sum(-1) == 3).all() and torch.allclose(q.sum(-1), torch.ones(()))
         return x, q
     with torch.no_grad():
-        news, cycles = generate.speculative_sampling(t, draft, [prompt] * 600, 3, T, g, B, dc.target_layer_ids)
+        news, cycles = generate.speculative_sampling(t, draft, [prompt] * 2000, 3, T, g, B, dc.target_layer_ids)
     assert all(len(new) == 3 for new in news) and any(c[0] < B for c in cycles) and any(c[0] > 1 for c in cycles)
 
     def next_probs(prefixes):
