@@ -31,12 +31,14 @@ arg("--budget", type=int, default=8192, help="tokens per row")
 arg("--target", default="qwen3.6-27b", help="preset, random weights: qwen3.6-27b, qwen3.5-35b-a3b")
 arg("--drafter-layers", type=int, help="drafter layers (default: z-lab's published drafter's)")
 arg("--sliding-window", type=int, help="drafter window (default: published); 0: all full")
+arg("--arch", choices=("dflash", "dflash2"), default="dflash", help="as train.py's")
 arg("--out", default=os.path.join(tempfile.gettempdir(), "dflash-bench"), help="scratch dir")
 args, dev, bf16 = p.parse_args(), torch.device("cuda"), torch.bfloat16
 TRAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")
 tcfg = TargetConfig.preset(args.target)
 dcfg = DrafterConfig.from_target(tcfg, num_hidden_layers=args.drafter_layers,
-                                 sliding_window=args.sliding_window)
+                                 sliding_window=args.sliding_window,
+                                 conv_kernel_size=2 if args.arch == "dflash2" else None)
 
 def timed(fn):
     torch.cuda.synchronize()
@@ -182,7 +184,7 @@ elif args.what == "drafter":
     torch.cuda.reset_peak_memory_stats()
     ms, fl = bench_ms(step), drafter_flops(d, S, N, doc, pos, row["loss_mask"])
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | matmul peak "
-          f"{peak / 1e12:.0f} TFLOP/s | drafter layers {dcfg.layer_types} window "
+          f"{peak / 1e12:.0f} TFLOP/s | {args.arch} drafter layers {dcfg.layer_types} window "
           f"{dcfg.sliding_window} | {time.strftime('%F')}\n| anchors | "
           f"budget | compile s | step ms | TFLOP | MFU | peak GiB | fused flex backward |\n"
           f"{'|---' * 8}|\n| {N} | {S} | {compile_s:.0f} | {ms:.0f} | {fl / 1e12:.0f} | "

@@ -79,9 +79,11 @@ def start(args, data_dir, ds, demand, lost, tcfg, dcfg):
         if not ok:
             sys.exit("error: " + msg)
 
-def init_drafter(args, d, dcfg, tcfg):
-    """--init-drafter's config d against the target and the flags (dcfg: what they ask for): the
-    row capacity and metrics assume --block-size; the mask token must be a target row."""
+def init_drafter(args, drafter, dcfg, tcfg):
+    """--init-drafter's drafter against the target and the flags (dcfg: what they ask for): the
+    row capacity and metrics assume --block-size; the mask token must be a target row. A DFlash
+    drafter with --arch dflash2 is returned as DFlash2 (dflash2.upgrade: the same outputs)."""
+    d = drafter.config
     if ((d.hidden_size, d.target_layer_ids, d.block_size)
             != (tcfg.hidden_size, dcfg.target_layer_ids, args.block_size)
             or args.mask_token_id not in (None, d.mask_token_id)
@@ -97,6 +99,10 @@ def init_drafter(args, d, dcfg, tcfg):
     if args.sliding_window is not None and layout(d) != layout(dcfg):
         sys.exit(f"error: --sliding-window {args.sliding_window} asks for layers {layout(dcfg)}, "
                  f"but --init-drafter {args.init_drafter} has {layout(d)}; drop --sliding-window")
+    if dcfg.conv_kernel_size and not d.conv_kernel_size:
+        import dflash2
+        return dflash2.upgrade(drafter, **{k: getattr(dcfg, k) for k in dflash2.FIELDS})
+    return drafter
 
 def weights_diff(params, src, group):
     """Data parallel must leave every drafter with the same weights: the largest difference from

@@ -137,17 +137,27 @@ def evaluate(target, drafter, prompts, max_new, eos=(), log=print):
 # -----------------------------------------------------------------------------
 # tau by replay: no decoding; tau under sampling
 
-def propose_at(drafter, target, ctx, tokens, doc, pos, anchors, argmax=True):
+def propose_at(drafter, target, ctx, tokens, doc, pos, anchors, temperature=0.0, generator=None):
     """Drafter.propose for N anchors of one packed row at once, each block's context the features
     of its document before its anchor (the training mask, dense): ctx [S, H] = drafter.context,
-    tokens/doc/pos [S], anchors [N] ascending -> proposals [N, B-1] (argmax=False: logits)."""
+    tokens/doc/pos [S], anchors [N] ascending -> (proposals [N, B-1], their distributions q
+    [N, B-1, V] at T > 0, else None): DFlash the argmax or draws from softmax(logits / T), DFlash2
+    the candidate selector's walk, q zero outside each slot's candidates (dflash2.py)."""
     c, k = drafter.config, torch.arange(drafter.config.block_size, device=tokens.device)
     block = torch.where(k == 0, tokens[anchors][:, None], c.mask_token_id)  # [N, B]: anchor, masks
     attend = row_attention(c, anchors, torch.ones_like(anchors, dtype=torch.bool), doc, len(tokens))
     h = drafter.hidden(ctx, pos, F.embedding(block.view(-1), target.embed_tokens.weight),
                        (pos[anchors][:, None] + k).view(-1), attend)
-    logits = (h.view(len(anchors), c.block_size, -1)[:, 1:] @ target.lm_head.weight.t()).float()
-    return logits.argmax(-1) if argmax else logits
+    h = h.view(len(anchors), c.block_size, -1)[:, 1:]                       # [N, B-1, H]
+    logits = (h @ target.lm_head.weight.t()).float()
+    if c.conv_kernel_size:      # the walk draws its slots by inverse CDF at uniforms, in order
+        u = temperature and torch.rand(logits.shape[:2], generator=generator, device=h.device)
+        x, cand, q = drafter.candidate_selector.walk(h, tokens[anchors], logits, temperature, u)
+        return x, q if q is None else torch.zeros_like(logits).scatter_(-1, cand, q)
+    if not temperature:
+        return logits.argmax(-1), None
+    q = (logits / temperature).softmax(-1)
+    return torch.multinomial(q.flatten(0, 1), 1, generator=generator).view(q.shape[:2]), q
 
 @torch.inference_mode()
 def replay(target, drafter, seqs, prompt_lens, max_new, eos=(), batch=64):
@@ -173,7 +183,7 @@ def replay(target, drafter, seqs, prompt_lens, max_new, eos=(), batch=64):
         out += [[] for _ in chunk]
         while len(live := (~done).nonzero()[:, 0]):
             at = a[live]
-            draft = propose_at(drafter, target, ctx, row, doc, pos, at)            # [n, B-1]
+            draft = propose_at(drafter, target, ctx, row, doc, pos, at)[0]         # [n, B-1]
             want = post[at[:, None] + k]                                            # [n, B]
             acc = (draft == want[:, :-1]).long().cumprod(1).sum(1)
             a[live] = at + acc + 1     # committed: want[:, :acc+1], the accepted and the bonus
@@ -211,9 +221,8 @@ def sampled_tau(target, drafter, prompts, max_new, temperature, seed, eos=()):
     c, g = drafter.config, torch.Generator(prompts[0].device).manual_seed(seed)
 
     def draft(feats, tokens, doc, pos, anchors):      # [n, B-1] proposals, [n, B-1, V] their q
-        q = (propose_at(drafter, target, drafter.context(feats), tokens, doc, pos, anchors, False)
-             / temperature).softmax(-1)
-        return torch.multinomial(q.flatten(0, 1), 1, generator=g).view(q.shape[:2]), q
+        return propose_at(drafter, target, drafter.context(feats), tokens, doc, pos, anchors,
+                          temperature, g)
     return tau_summary(speculative_sampling(target, draft, prompts, max_new, temperature, g,
                                             c.block_size, c.target_layer_ids, eos)[1], c.block_size)
 

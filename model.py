@@ -144,10 +144,11 @@ class _WeightedCE(torch.autograd.Function):
     """sum_i w_i * CE(h_i @ W^T, y_i) over the frozen LM head W in chunks of rows (the [N*B, vocab]
     logits never exist at once), the gradient wrt h made in the forward (no second logits GEMM in
     the backward). dpace=alpha: w is the 0/1 supervision, each block's weights dpace_weights of the
-    slots' own probabilities (chunks of whole blocks of B rows), constants for the gradient."""
+    slots' own probabilities (chunks of whole blocks of B rows), constants for the gradient.
+    top_k > 0 (DFlash2): also each row's top_k logits and its label's [rows, top_k + 1], ids."""
     @staticmethod
-    def forward(ctx, h, weight, labels, w, chunk, B=None, dpace=None):
-        loss, pred, grads = h.new_zeros((), dtype=torch.float32), [], []
+    def forward(ctx, h, weight, labels, w, chunk, B=None, dpace=None, top_k=0):
+        loss, pred, grads, tops = h.new_zeros((), dtype=torch.float32), [], [], []
         for s in range(0, h.shape[0], chunk):
             x = h[s:s + chunk]
             if s:
@@ -159,34 +160,41 @@ class _WeightedCE(torch.autograd.Function):
             logits = (x @ weight.t()).float()
             lse = logits.logsumexp(-1)
             y, w_chunk = labels[s:s + chunk, None], w[s:s + chunk]
-            ce = lse - logits.gather(1, y)[:, 0]
+            gold = logits.gather(1, y)
+            ce = lse - gold[:, 0]
             if dpace is not None:
                 w_chunk = dpace_weights((-ce).exp().view(-1, B), w_chunk.view(-1, B) > 0,
                                         dpace).view(-1)
             loss = loss + (w_chunk * ce.masked_fill(w_chunk == 0, 0.0)).sum()   # no NaN * 0
             pred.append(logits.argmax(-1))
+            tops += [_top(logits, gold, top_k)] if top_k else []
             if ctx.needs_input_grad[0]:
                 p = (logits - lse[:, None]).exp()                       # d CE / d logits: softmax
                 p = p.scatter_add(1, y, torch.full_like(y, -1, dtype=logits.dtype))   # - onehot
                 grads.append((p * w_chunk[:, None]).to(weight.dtype) @ weight)
-        pred = torch.cat(pred)
-        ctx.mark_non_differentiable(pred)
+        out = (torch.cat(pred), *(torch.cat(t) for t in zip(*tops)))
+        ctx.mark_non_differentiable(*out)
         ctx.save_for_backward(torch.cat(grads) if grads else h.new_zeros(0))
-        return loss, pred
+        return loss, *out
 
     @staticmethod
-    def backward(ctx, g_loss, g_pred):
+    def backward(ctx, g_loss, *_):
         (dh,) = ctx.saved_tensors
-        return (dh * g_loss).to(dh.dtype), None, None, None, None, None, None
+        return (dh * g_loss).to(dh.dtype), None, None, None, None, None, None, None
 
-def plain_ce(h, weight, labels, w, B, dpace=None):
+def _top(logits, gold, k):  # DFlash2's candidates: (top-k logits, then the gold one), their ids
+    v, i = logits.topk(k, dim=-1)
+    return torch.cat([v, gold], 1), i
+
+def plain_ce(h, weight, labels, w, B, dpace=None, top_k=0):
     """_WeightedCE's value as plain autograd over full-vocab logits [rows, vocab] at once: the
     reference, and where to prototype another loss (ce_chunk=0; train.py --plain-loss)."""
     logits = (h @ weight.t()).float()
     ce = F.cross_entropy(logits, labels, reduction="none")
     if dpace is not None:
         w = dpace_weights((-ce.detach()).exp().view(-1, B), w.view(-1, B) > 0, dpace).view(-1)
-    return (w * ce.masked_fill(w == 0, 0.0)).sum(), logits.argmax(-1)
+    top = _top(logits.detach(), logits.detach().gather(1, labels[:, None]), top_k) if top_k else ()
+    return (w * ce.masked_fill(w == 0, 0.0)).sum(), logits.argmax(-1), *top
 
 # -----------------------------------------------------------------------------
 # 4) the drafter
@@ -230,6 +238,10 @@ class DrafterConfig:
     use_sliding_window: bool = None     # HF Qwen3Config's switch (None: True iff a layer slides)
     max_window_layers: int = None       # HF Qwen3Config field; only exported
     rope_scaling: dict = None           # None (plain RoPE) or {"rope_type": "linear"/"yarn", ...}
+    conv_kernel_size: int = 0           # > 0: DFlash2 (dflash2.py), the conv's taps; 0: DFlash
+    conv_group_size: int = 16           # DFlash2: channels per dynamic kernel group
+    selector_rank: int = 256            # DFlash2: the candidate selector's codebook rank
+    selector_top_k: int = 16            # DFlash2: candidates per block slot
 
     def __post_init__(self):
         L = self.num_hidden_layers
@@ -351,17 +363,20 @@ class DrafterLayer(nn.Module):
         self.self_attn = Attention(c)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c.hidden_size, c.intermediate_size)
+        self.attention_conv = self.mlp_conv = None      # DFlash2's (dflash2.extend)
 
     def forward(self, h, ctx, rope_q, rope_kv, attend):
-        a, x = self.self_attn, self.input_layernorm(h)
-        Q, KV, hd = x.shape[0], ctx.shape[0] + x.shape[0], a.head_dim
-        kv_in = torch.cat([ctx, x])                                # context keys, then the block's
-        q = apply_rope(a.q_norm(a.q_proj(x).view(Q, a.n_heads, hd)), *rope_q)
-        k = apply_rope(a.k_norm(a.k_proj(kv_in).view(KV, a.n_kv_heads, hd)), *rope_kv)
-        v = a.v_proj(kv_in).view(KV, a.n_kv_heads, hd)
-        o = attend(*(t.transpose(0, 1)[None] for t in (q, k, v)))  # [1, heads, Q, hd]
-        h = h + a.o_proj(o[0].transpose(0, 1).reshape(Q, a.n_heads * hd))
-        return h + self.mlp(self.post_attention_layernorm(h))
+        def attention(x):
+            a, Q, KV = self.self_attn, x.shape[0], ctx.shape[0] + x.shape[0]
+            kv_in, hd = torch.cat([ctx, x]), a.head_dim            # context keys, then the block's
+            q = apply_rope(a.q_norm(a.q_proj(x).view(Q, a.n_heads, hd)), *rope_q)
+            k = apply_rope(a.k_norm(a.k_proj(kv_in).view(KV, a.n_kv_heads, hd)), *rope_kv)
+            v = a.v_proj(kv_in).view(KV, a.n_kv_heads, hd)
+            o = attend(*(t.transpose(0, 1)[None] for t in (q, k, v)))  # [1, heads, Q, hd]
+            return a.o_proj(o[0].transpose(0, 1).reshape(Q, a.n_heads * hd))
+        wrap = lambda conv, f, x: conv(x, f) if conv is not None else f(x)
+        h = h + wrap(self.attention_conv, attention, self.input_layernorm(h))
+        return h + wrap(self.mlp_conv, self.mlp, self.post_attention_layernorm(h))
 
 class Drafter(nn.Module):
     def __init__(self, config):
@@ -374,6 +389,9 @@ class Drafter(nn.Module):
         for p in self.parameters():      # Qwen3 init: normal(0.02) matrices, norms at 1
             if p.dim() == 2:
                 nn.init.normal_(p, std=0.02)
+        if c.conv_kernel_size:           # DFlash2: convolutions, a candidate selector
+            import dflash2
+            dflash2.extend(self)
 
     def context(self, feats):   # target features [S, n_feat*H] -> [S, H], k/v of every layer
         return self.hidden_norm(self.fc(feats))
@@ -381,8 +399,7 @@ class Drafter(nn.Module):
     def hidden(self, ctx, ctx_pos, block_emb, block_pos, attend):
         """ctx [S, H] = context(target features), block_emb [Q, H], positions for RoPE, attend
         {layer kind: attention function} -> [Q, H], final-normed."""
-        c = self.config
-        rope_q = drafter_rope(block_pos, c)
+        c, rope_q = self.config, drafter_rope(block_pos, self.config)
         rope_kv = drafter_rope(torch.cat([ctx_pos, block_pos]), c)
         h = block_emb.to(ctx.dtype)
         for layer, kind in zip(self.layers, c.layer_types):
@@ -390,12 +407,12 @@ class Drafter(nn.Module):
         return self.norm(h)
 
     def forward(self, feats, tokens, loss_mask, doc, pos, anchors, keep, embed, head, gamma=7.0,
-                flex=None, blocks=None, ce_chunk=1024, dpace=None):
+                flex=None, blocks=None, ce_chunk=1024, dpace=None, selector_alpha=0.1):
         """Masked training forward over one packed row: feats [S, n_feat*H]; tokens, loss_mask,
         doc, pos [S]; anchors, keep [N] (sample_anchors); embed, head the target's [vocab, H];
         flex None (dense mask + SDPA, CPU) or kernel options with blocks = block_lists(...) (GPU);
-        dpace=alpha: D-PACE's weights, no decay; ce_chunk 0: plain_ce. -> the loss, acceptance and
-        slot sums (device)"""
+        dpace=alpha: D-PACE's weights, no decay; ce_chunk 0: plain_ce; DFlash2: + selector_alpha x
+        its selector's loss. -> the loss, acceptance and slot sums (device)"""
         c, S, N, B = self.config, tokens.shape[0], anchors.shape[0], self.config.block_size
         k = torch.arange(B, device=tokens.device)
         idx = anchors[:, None] + k                         # [N, B] absolute positions of the block
@@ -418,12 +435,16 @@ class Drafter(nn.Module):
             w, chunk = supervised.float(), max(B, ce_chunk // B * B)
             d = doc[anchors]
             norm = (keep & torch.cat([keep[:1], d[1:] != d[:-1]])).sum().clamp(min=1)
-        wce, pred = (_WeightedCE.apply(h, head, labels.view(-1), w.view(-1), chunk, B, dpace)
-                     if ce_chunk else plain_ce(h, head, labels.view(-1), w.view(-1), B, dpace))
+        top_k = c.selector_top_k if c.conv_kernel_size else 0      # DFlash2's candidates
+        wce, pred, *top = (
+            _WeightedCE.apply(h, head, labels.view(-1), w.view(-1), chunk, B, dpace, top_k)
+            if ce_chunk else plain_ce(h, head, labels.view(-1), w.view(-1), B, dpace, top_k))
         correct = (pred.view(N, B) == labels) & supervised
         accepted = 1 + correct[:, 1:].long().cumprod(1).sum(1)  # anchor + leading correct slots
-        return dict(loss=wce / norm, accept_sum=(accepted * keep).sum(),
-                    blocks=keep.sum(), slot_correct=correct.sum(0), slot_count=supervised.sum(0))
+        out = dict(loss=wce / norm, accept_sum=(accepted * keep).sum(),
+                   blocks=keep.sum(), slot_correct=correct.sum(0), slot_count=supervised.sum(0))
+        return out if not top_k else self.candidate_selector.terms(
+            out, h, head, labels, supervised, keep, top, selector_alpha)
 
     @torch.no_grad()
     def propose(self, ctx_feats, ctx_pos, anchor_token, anchor_pos, embed, head):
@@ -441,6 +462,8 @@ class Drafter(nn.Module):
         h = self.hidden(self.context(ctx_feats), ctx_pos, F.embedding(block, embed), block_pos,
                         attend)
         logits = (h[1:] @ head.t()).float()
+        if c.conv_kernel_size:   # DFlash2: the candidate selector's greedy walk from the anchor
+            return self.candidate_selector.walk(h[None, 1:], block[:1], logits[None])[0][0], logits
         return logits.argmax(-1), logits
 
     def flops(self, S, N, visible=None):
@@ -454,7 +477,8 @@ class Drafter(nn.Module):
         attn = 4 * c.num_attention_heads * c.head_dim * pairs          # QK^T and PV
         fc = 2 * S * self.fc.in_features * c.hidden_size               # no input grad: fwd + dW
         head = 2 * Q * c.vocab_size * c.hidden_size
-        return 3 * (fwd + attn) + 2 * fc + 2 * head      # fwd + 2x bwd; frozen head: logits + dh
+        fwd2 = self.candidate_selector.flops(Q) if c.conv_kernel_size else 0   # fwd + bwd
+        return 3 * (fwd + attn) + 2 * fc + 2 * head + fwd2   # fwd + 2x bwd; frozen head: logits, dh
 
     # -------------------------------------------------------------------------
     # 5) export in the z-lab format
@@ -467,7 +491,11 @@ class Drafter(nn.Module):
         cfg = asdict(self.config)   # every field; mask_token_id, target_layer_ids in dflash_config
         dflash = dict(block_size=cfg["block_size"], mask_token_id=cfg.pop("mask_token_id"),
                       target_layer_ids=cfg.pop("target_layer_ids"))
-        cfg = dict(architectures=["DFlashDraftModel"], model_type="qwen3", dflash_config=dflash,
+        d2 = {k: cfg.pop(k) for k in list(cfg) if k.startswith(("conv_", "selector_"))}  # DFlash2
+        if d2["conv_kernel_size"]:   # z-lab's unary transforms off: the raw head logits
+            dflash.update(d2, output_multiplier=1.0, final_logit_softcapping=0.0)
+        arch = "DFlash2DraftModel" if d2["conv_kernel_size"] else "DFlashDraftModel"
+        cfg = dict(architectures=[arch], model_type="qwen3", dflash_config=dflash,
                    **cfg, hidden_act="silu", attention_bias=False, attention_dropout=0.0,
                    initializer_range=0.02, dtype="bfloat16", torch_dtype="bfloat16", use_cache=True)
         tensors = {k: v.detach().to(torch.bfloat16).contiguous().cpu()
@@ -528,7 +556,8 @@ def config_from_json(cfg):
     if not {"mask_token_id", "target_layer_ids"} <= set(dflash):
         raise ValueError("no dflash_config with mask_token_id and target_layer_ids: not a DFlash "
                          "drafter config")
-    kw = {k: v for k, v in cfg.items() if k in DrafterConfig.__dataclass_fields__}
+    # DrafterConfig's fields, at the top level or (DFlash2's) in dflash_config
+    kw = {k: v for k, v in {**cfg, **dflash}.items() if k in DrafterConfig.__dataclass_fields__}
     kw.update(block_size=dflash.get("block_size", cfg.get("block_size", 16)),
               mask_token_id=dflash["mask_token_id"], target_layer_ids=dflash["target_layer_ids"])
     rope = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
@@ -555,7 +584,9 @@ def config_from_json(cfg):
              "top-level original_max_position_embeddings is not supported: put it in rope_scaling"),
             (causal is None or kinds == {SLIDING if causal else FULL},
              f"is_causal / dflash_config.causal {causal}: this drafter trains sliding layers "
-             f"causal, full ones bidirectional, as the engines serve layer_types {sorted(kinds)}")]:
+             f"causal, full ones bidirectional, as the engines serve layer_types {sorted(kinds)}"),
+            ((dflash.get("output_multiplier", 1), dflash.get("final_logit_softcapping", 0)) == (
+                1, 0), "output_multiplier 1, final_logit_softcapping 0 only: the raw logits")]:
         if not ok:
             raise ValueError(msg)
     return DrafterConfig(**kw)

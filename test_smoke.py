@@ -26,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import numpy as np
 import pytest
@@ -3810,3 +3811,297 @@ def test_moe_35b_a3b_drafter_defaults():
     with torch.device("meta"):
         d = Drafter(c)
     assert d.fc.weight.shape == (2048, 8 * 2048)
+
+
+# ==================================================================================================
+# DFlash2 (dflash2.py): block-local convolutions and the candidate selector
+
+import dflash2  # noqa: E402  (only DFlash2's tests need it)
+
+D2 = dict(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4)   # tiny DFlash2
+
+
+def dflash2_config(**kw):
+    """The tiny target's DFlash2 drafter: 2 layers, taps [1, 3, 5], hidden 64 (4 groups of 16)."""
+    return DrafterConfig.from_target(tiny_target().config, n_feat=3, num_hidden_layers=2, **{**D2, **kw})
+
+
+def ref_conv(x, u, W, base, side, K, G, B):
+    """out[i, c] = sum_t (base[side, t, c] + delta[i, t, c // G]) * x[i - t, c], x[i - t] = 0 across a block
+    start; delta[i, t, g] = row side*K*N + t*N + g of W (N = H/G groups) dotted with u[i], the sublayer's
+    normed input (both sides' kernels come from it): loops over rows, taps and channels."""
+    (Q, H), N, W = x.shape, x.shape[1] // G, W.detach()
+    out = torch.zeros(Q, H, dtype=torch.float64)
+    for i in range(Q):
+        for t in range(K):
+            if i % B - t < 0:              # before its block's slot 0
+                continue
+            for c in range(H):
+                delta = sum(float(W[side * K * N + t * N + c // G, h]) * float(u[i, h]) for h in range(H))
+                out[i, c] += (float(base[side, t, c]) + delta) * float(x[i - t, c])
+    return out
+
+
+@pytest.mark.parametrize("K", [2, 3])
+def test_dflash2_conv_matches_loops(K):
+    """Conv.prepare / finish on a packed row of 3 blocks of 4 slots (random, non-identity weights) == the
+    loops, fp32 precision; slot 0 of the 2nd and 3rd blocks reads nothing of the block before (a conv over
+    the whole row, ignoring blocks, differs exactly there)."""
+    c = dflash2_config(conv_kernel_size=K, block_size=4)
+    conv = dflash2.Conv(c)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        conv.base_kernel.copy_(torch.randn(conv.base_kernel.shape, generator=g))
+        conv.kernel_projection.weight.copy_(torch.randn(conv.kernel_projection.weight.shape, generator=g) * 0.1)
+    H, G, B = 64, 16, 4
+    assert conv.kernel_projection.weight.shape == (2 * K * H // G, H)
+    u, y = torch.randn(3 * B, H, generator=g), torch.randn(3 * B, H, generator=g)
+    with torch.no_grad():
+        x, d = conv.prepare(u)
+        out = conv.finish(y, d)
+    W, base = conv.kernel_projection.weight, conv.base_kernel.detach()
+    assert rel_err(x, ref_conv(u, u, W, base, 0, K, G, B)) < 1e-6
+    assert rel_err(out, ref_conv(y, u, W, base, 1, K, G, B)) < 1e-6
+    whole = ref_conv(u, u, W, base, 0, K, G, 3 * B)      # as one block: taps cross the block boundaries
+    crossed = (whole.float() - x).abs().amax(-1) > 1e-3
+    assert crossed[[B, 2 * B]].all() and not crossed[:B].any()
+
+
+def test_dflash2_identity_start(drafter_rows, monkeypatch, tmp_path):
+    """A DFlash drafter's export made DFlash2 (conv at identity, selector at init; train.py's --init-drafter
+    path: checks.init_drafter) computes exactly the DFlash drafter's final hidden states, logits, backbone
+    loss and acceptance on packed rows, and proposes from the same logits."""
+    t, d, rows = drafter_rows
+    d.save_pretrained(str(tmp_path))
+    loaded = Drafter.from_pretrained(str(tmp_path))
+    args = types.SimpleNamespace(init_drafter=str(tmp_path), block_size=16, mask_token_id=None, drafter_layers=None,
+                                 sliding_window=None)
+    d2 = checks.init_drafter(args, loaded, dataclasses.replace(loaded.config, **D2), t.config)
+    assert d2.config.conv_kernel_size == 2 and loaded.config.conv_kernel_size == 0
+    assert set(d2.state_dict()) - set(loaded.state_dict()) == {
+        k for k in d2.state_dict() if "_conv." in k or k.startswith("candidate_selector.")}
+    for r in rows[:2]:
+        h1, h2 = train_h(monkeypatch, loaded, t, r), train_h(monkeypatch, d2, t, r)
+        assert torch.equal(h1, h2)
+        o1, o2 = forward(loaded, t, r), forward(d2, t, r, selector_alpha=0.0)
+        for k in ("loss", "accept_sum", "slot_correct", "slot_count"):
+            assert torch.equal(o1[k], o2[k]), k
+    args_ = propose_args(t, rows[0], 20)
+    assert torch.equal(loaded.propose(*args_)[1], d2.propose(*args_)[1])
+
+
+def ref_walk(sel, h, anchor, logits, k, T=0.0, u=None):
+    """The candidate selector's walk by plain loops: per block and slot, the k largest logits (sorted), scores
+    unary + sum_r A[prev, r] (P h)[r] B[cand, r], the best (greedy) or the inverse CDF of softmax(score / T)
+    at u; the choice the next predecessor."""
+    A, Bc, P = sel.predecessor_codebook, sel.successor_codebook, sel.hidden_projection.weight
+    n, J, _ = h.shape
+    paths, qs = [], []
+    for i in range(n):
+        prev, path, qrow = int(anchor[i]), [], []
+        for j in range(J):
+            cand = sorted(range(logits.shape[-1]), key=lambda v: -float(logits[i, j, v]))[:k]
+            z = [sum(float(P[r, x]) * float(h[i, j, x]) for x in range(h.shape[-1])) for r in range(P.shape[0])]
+            s = [float(logits[i, j, cc]) + sum(float(A[prev, r]) * z[r] * float(Bc[cc, r]) for r in range(len(z)))
+                 for cc in cand]
+            if T:
+                e = [math.exp((v - max(s)) / T) for v in s]
+                q = [v / sum(e) for v in e]
+                cdf, pick = 0.0, k - 1
+                for m, v in enumerate(q):
+                    cdf += v
+                    if cdf > float(u[i, j]):
+                        pick = m
+                        break
+                qrow.append(q)
+            else:
+                pick = max(range(k), key=lambda m: s[m])
+            prev = cand[pick]
+            path.append(prev)
+        paths.append(path)
+        qs.append(qrow)
+    return torch.tensor(paths), torch.tensor(qs, dtype=torch.float64) if T else None
+
+
+def test_dflash2_walk_matches_loops():
+    """Selector.walk (random codebooks, successor non-zero) == the loops: greedy, and sampled at T = 1 and 0.7
+    from the same uniforms (the draws agree, q to fp32 precision)."""
+    c = dflash2_config(vocab_size=40, selector_rank=6, selector_top_k=5)
+    sel = dflash2.Selector(c)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in sel.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    n, J = 3, 7
+    h, logits = torch.randn(n, J, 64, generator=g) * 0.3, torch.randn(n, J, 40, generator=g) * 2
+    anchor = torch.tensor([3, 17, 39])
+    with torch.no_grad():
+        path, cand, q = sel.walk(h, anchor, logits)
+        assert q is None and torch.equal(path, ref_walk(sel, h, anchor, logits, 5)[0])
+        assert torch.equal(cand, logits.topk(5, dim=-1).indices)
+        for T in (1.0, 0.7):
+            u = torch.rand(n, J, generator=g)
+            path, _, q = sel.walk(h, anchor, logits, T, u)
+            ref_path, ref_q = ref_walk(sel, h, anchor, logits, 5, T, u)
+            assert torch.equal(path, ref_path) and rel_err(q, ref_q) < 1e-5
+    assert len(set(path.view(-1).tolist())) > 5    # the draws are not all one token
+
+
+def test_dflash2_selector_loss_by_hand():
+    """Selector.terms on one block of 3 slots (anchor token 0, labels 3 and 1), top-2 candidates, P = I, A[0]
+    = (1, 1), A[3] = (2, 2), other A rows 0 (a wrong predecessor shows), h_1 = (1, 0), h_2 = (0, 1):
+      slot 1 (predecessor: the anchor 0): candidates [3, 2], unary [2, 1]; B[3] = (.5, 0), B[2] = (-1, -1):
+        scores [2.5, 0]; gold 3 in the top-2 (index 0): CE = log(1 + e^-2.5)
+      slot 2 (predecessor: the gold 3, not the drafted token): candidates [4, 2], unary [1.5, .5], gold 1
+        missing (unary .25) is appended: B[4] = (0, 1), B[1] = (0, .5): z * A[3] = (0, 2), scores
+        [3.5, -1.5, 1.25]: CE = logsumexp - 1.25
+    loss = backbone + alpha x the mean; metrics: gold in top-K at 1 slot, the selector right at slot 1 only
+    (it picks 4 at slot 2), walk accepted 1 + 1 = 2."""
+    c = DrafterConfig(hidden_size=2, vocab_size=5, selector_rank=2, selector_top_k=2, conv_kernel_size=2,
+                      block_size=3)
+    sel = dflash2.Selector(c)
+    with torch.no_grad():
+        sel.hidden_projection.weight.copy_(torch.eye(2))
+        sel.predecessor_codebook.zero_()[0] = 1.0
+        sel.predecessor_codebook[3] = 2.0
+        sel.successor_codebook.zero_()
+        sel.successor_codebook[3] = torch.tensor([0.5, 0.0])
+        sel.successor_codebook[2] = torch.tensor([-1.0, -1.0])
+        sel.successor_codebook[4] = torch.tensor([0.0, 1.0])
+        sel.successor_codebook[1] = torch.tensor([0.0, 0.5])
+    h = torch.tensor([[0.3, 0.3], [1.0, 0.0], [0.0, 1.0]], requires_grad=True)
+    labels, supervised = torch.tensor([[0, 3, 1]]), torch.tensor([[False, True, True]])
+    vals = torch.tensor([[9.0, 8.0, 0.0], [2.0, 1.0, 2.0], [1.5, 0.5, 0.25]])
+    cand = torch.tensor([[1, 2], [3, 2], [4, 2]])
+    head = torch.randn(5, 2)
+    out = sel.terms(dict(loss=torch.tensor(1.0)), h, head, labels, supervised, torch.tensor([True]),
+                    (vals, cand), 0.5)
+    ce1 = math.log(1 + math.exp(-2.5))
+    ce2 = math.log(math.exp(3.5) + math.exp(-1.5) + math.exp(1.25)) - 1.25
+    assert out["selector_loss"].item() == pytest.approx((ce1 + ce2) / 2, rel=1e-6)
+    assert out["loss"].item() == pytest.approx(1 + 0.5 * (ce1 + ce2) / 2, rel=1e-6)
+    assert (out["topk_hit"], out["selector_correct"], out["walk_accept_sum"]) == (1, 1, 2)
+    out["loss"].backward()
+    assert h.grad[0].abs().sum() == 0 and h.grad[1:].abs().sum() > 0     # the anchor's slot: no loss
+
+
+def test_dflash2_export_keys_and_reload(tmp_path, drafter_rows):
+    """The DFlash2 export: DFlash2DraftModel, dflash_config with its 4 fields (the unary transforms off: output
+    multiplier 1, no softcap), every DFlash tensor plus exactly the contract's (z-lab/dflash DFlash2DraftModel)
+    with its shapes, bf16; the reload's config is the same and it proposes the same tokens as the bf16-rounded
+    drafter. A DFlash export has none of the 4 fields."""
+    t, _, rows = drafter_rows
+    cfg = dflash2_config(block_size=8, mask_token_id=500)
+    d = randomize_drafter_(Drafter(cfg), 7)
+    d.save_pretrained(str(tmp_path / "d2"))
+    loaded = Drafter.from_pretrained(str(tmp_path / "d2"))
+    assert loaded.config == cfg
+    j = json.load(open(tmp_path / "d2" / "config.json"))
+    assert j["architectures"] == ["DFlash2DraftModel"]
+    assert {k: j["dflash_config"][k] for k in (*D2, "output_multiplier", "final_logit_softcapping")} == dict(
+        D2, output_multiplier=1.0, final_logit_softcapping=0.0)
+    assert not set(D2) & set(j)
+    H, V, L, r, K, G = 64, tiny_target().config.vocab_size, 2, 8, 2, 16
+    new = {"candidate_selector.hidden_projection.weight": (r, H), "candidate_selector.predecessor_codebook": (V, r),
+           "candidate_selector.successor_codebook": (V, r)}
+    for i in range(L):
+        for conv in ("attention_conv", "mlp_conv"):
+            new[f"layers.{i}.{conv}.base_kernel"] = (2, K, H)
+            new[f"layers.{i}.{conv}.kernel_projection.weight"] = (2 * K * H // G, H)
+    plain = set(Drafter(dataclasses.replace(cfg, conv_kernel_size=0)).state_dict())
+    with safe_open(str(tmp_path / "d2" / "model.safetensors"), "pt") as f:
+        assert set(f.keys()) == plain | set(new)
+        for k, shape in new.items():
+            x = f.get_tensor(k)
+            assert x.dtype == torch.bfloat16 and tuple(x.shape) == shape, k
+    ref = copy.deepcopy(d)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    for a in (0, 20, 40):
+        args = propose_args(t, rows[0], a)
+        assert torch.equal(loaded.propose(*args)[0], ref.propose(*args)[0])
+    Drafter(dataclasses.replace(cfg, conv_kernel_size=0)).save_pretrained(str(tmp_path / "d1"))
+    j = json.load(open(tmp_path / "d1" / "config.json"))
+    assert j["architectures"] == ["DFlashDraftModel"] and not set(D2) & (set(j) | set(j["dflash_config"]))
+
+
+def test_dflash2_speculative_equals_greedy_and_replay(gen):
+    """The trained demo drafter made DFlash2 with a random selector (its walk is not the argmax): speculative
+    decoding == greedy decoding, and replay gives the loop's accepted lengths cycle by cycle."""
+    d = dflash2.upgrade(gen.drafter, **D2)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in d.candidate_selector.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    prompts, conts = gen.prompts[:4], gen.cont[:4]
+    want = []
+    for p, cont in zip(prompts, conts):
+        spec, cycles, _ = generate.speculative(gen.t, d, p, MAX_NEW)
+        assert spec == cont[:MAX_NEW]
+        want.append(cycles)
+    seqs = [torch.cat([p, torch.tensor(c)]) for p, c in zip(prompts, conts)]
+    got, differ = generate.replay(gen.t, d, seqs, [len(p) for p in prompts], MAX_NEW, batch=3)
+    assert got == want and differ == 0
+    p = prompts[0]
+    feats = gen.t.features(p, torch.tensor([0, len(p)]), d.config.target_layer_ids)
+    walked, logits = d.propose(feats[:-1], torch.arange(len(p) - 1), int(p[-1]), len(p) - 1,
+                               gen.t.embed_tokens.weight, gen.t.lm_head.weight)
+    assert not torch.equal(walked, logits.argmax(-1))
+
+
+def test_dflash2_speculative_sampling_keeps_the_target_distribution():
+    """As test_speculative_sampling_keeps_the_target_distribution, at T = 1, the proposals DFlash2's sampled
+    walk (generate.propose_at) over the top-3 of 8 tokens, q zero outside them: the 2nd and 3rd emitted tokens
+    follow the target's own sampling marginals (chi-square below its 0.999 quantile)."""
+    cfg = dataclasses.replace(TargetConfig.preset("tiny"), vocab_size=8)
+    t, T, B = Target.build(cfg), 1.0, 4
+    dc = DrafterConfig.from_target(cfg, n_feat=1, num_hidden_layers=1, block_size=B, **dict(D2, selector_top_k=3))
+    d = randomize_drafter_(Drafter(dc), 5)
+    prompt, g = torch.tensor([3, 1, 4, 1, 5]), torch.Generator().manual_seed(0)
+
+    def draft(feats, tokens, doc, pos, anchors):
+        x, q = generate.propose_at(d, t, d.context(feats), tokens, doc, pos, anchors, T, g)
+        assert ((q > 0).sum(-1) == 3).all() and torch.allclose(q.sum(-1), torch.ones(()))
+        return x, q
+    with torch.no_grad():
+        news, cycles = generate.speculative_sampling(t, draft, [prompt] * 2000, 3, T, g, B, dc.target_layer_ids)
+    assert all(len(new) == 3 for new in news) and any(c[0] < B for c in cycles) and any(c[0] > 1 for c in cycles)
+
+    def next_probs(prefixes):
+        seqs = [torch.cat([prompt, torch.tensor(x, dtype=torch.long)]) for x in prefixes]
+        cu = torch.tensor([0] + np.cumsum([len(s) for s in seqs]).tolist())
+        return (t.logits(torch.cat(seqs), cu, at=cu[1:] - 1) / T).softmax(-1).double()
+    p12 = next_probs([[]])[0][:, None] * next_probs([[a] for a in range(8)])                # [x1, x2]
+    p3 = (p12.view(-1, 1) * next_probs([[a, b] for a in range(8) for b in range(8)])).sum(0)
+    for k, probs in ((1, p12.sum(0)), (2, p3)):
+        stat, dof = chi_square(torch.tensor([new[k] for new in news]), probs)
+        quantile = {7: 24.32, 6: 22.46, 5: 20.52, 4: 18.47, 3: 16.27}[dof]
+        assert stat < quantile, (k, stat, dof)
+
+
+def test_dflash2_compiled_step_equals_eager():
+    """train.py's whole drafter step (model.drafter_step) for a DFlash2 drafter compiles with fullgraph=True on
+    the CPU (no graph break, no data-dependent branch) and gives the eager step's loss, metrics, gradients."""
+    t = tiny_target()
+    d = randomize_drafter_(Drafter(dflash2_config()), 2)
+    S, g = 160, torch.Generator().manual_seed(4)
+    feats = torch.randn(S, 3 * 64, generator=g)
+    row = dict(tokens=torch.randint(0, 512, (S,), generator=g), loss_mask=torch.ones(S, dtype=torch.long),
+               doc=(torch.arange(S) >= 90).long(), pos=torch.arange(S) % 90)
+    eager = functools.partial(model.drafter_step, d, anchors_per_doc=8, row_anchors=16, embed=t.embed_tokens.weight,
+                              head=t.lm_head.weight, selector_alpha=0.3)
+    outs, grads = [], []
+    for fn in (eager, torch.compile(eager, fullgraph=True, dynamic=False)):
+        torch.manual_seed(1)
+        with torch._inductor.config.patch(fallback_random=True):
+            out, _ = fn(feats, row)
+        out["loss"].backward()
+        outs.append(out)
+        grads.append({k: p.grad.clone() for k, p in d.named_parameters()})
+        d.zero_grad(set_to_none=True)
+    for k in ("accept_sum", "topk_hit", "selector_correct", "walk_accept_sum"):
+        assert torch.equal(outs[0][k], outs[1][k]), k
+    assert rel_err(outs[1]["loss"], outs[0]["loss"]) < 1e-5
+    for k in grads[0]:
+        assert rel_err(grads[1][k], grads[0][k]) < 1e-4, k

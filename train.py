@@ -46,6 +46,7 @@ arg("--drafter-layers", type=number(int, 1), help="drafter layers (default: publ
 arg("--n-feat", type=number(int, 1), help="tapped target layers (default: published, else 5 or 3)")
 arg("--block-size", type=number(int, 2), default=16, help="tokens per block: anchor + drafted")
 arg("--mask-token-id", type=number(int, 0), help="embedding row of the mask (default: z-lab's)")
+arg("--arch", choices=("dflash", "dflash2"), default="dflash", help="dflash2: DFlash2 (dflash2.py)")
 arg("--init-drafter", help="start from a z-lab format drafter dir (its layout and RoPE)")
 arg("--sliding-window", type=int, help="tokens a sliding layer sees (all layers but the last "
     "slide); 0: all full attention (default: the published drafter's, else 0)")
@@ -58,6 +59,7 @@ arg("--gamma", type=number(float, 0, above=True), default=7.0, help="--loss dfla
 arg("--loss", choices=("dpace", "dflash"), default="dpace", help="dpace: D-PACE (arXiv "
     "2605.18810); dflash: the published loss (DFlash's decayed CE)")
 arg("--dpace-alpha", type=number(float, 0, hi=1), help="D-PACE smoothing alpha (0.5)")
+arg("--selector-alpha", type=number(float, 0), default=0.1, help="dflash2: selector CE's weight")
 arg("--lr", type=number(float, 0, above=True), default=6e-4, help="peak AdamW learning rate")
 arg("--warmup", type=number(float, 0, hi=1), default=0.04, help="warmup share of the steps")
 arg("--schedule", choices=("cosine", "wsd"), default="cosine", help="after warmup: cosine to 0, "
@@ -148,10 +150,10 @@ except FileNotFoundError as e:
 except (ValueError, OSError) as e:   # an unknown preset, an unreadable or unsupported config.json
     sys.exit(f"error: --target {args.target}: {e}")
 try:
-    dcfg = DrafterConfig.from_target(tcfg, n_feat=args.n_feat, block_size=args.block_size,
-                                     num_hidden_layers=args.drafter_layers,
-                                     mask_token_id=args.mask_token_id,
-                                     sliding_window=args.sliding_window)
+    dcfg = DrafterConfig.from_target(
+        tcfg, n_feat=args.n_feat, block_size=args.block_size, num_hidden_layers=args.drafter_layers,
+        mask_token_id=args.mask_token_id, sliding_window=args.sliding_window,
+        conv_kernel_size=2 if args.arch == "dflash2" else None)     # z-lab's kernel size
 except ValueError as e:
     sys.exit(f"error: --sliding-window {args.sliding_window}: {e}")
 skip = ("CPU: the dense path is the only one; flex has no CPU backward" if not cuda else
@@ -184,8 +186,7 @@ row_anchors_max = min(budget - 1, 4 * budget // block_size)   # the default's bo
 p90 = int(-(-np.percentile(demand, 90) // 8) * 8)       # a multiple of 8: 128-row tiles
 row_anchors = args.row_anchors or max(8, min(p90, row_anchors_max))
 dropped = np.maximum(demand - row_anchors, 0).sum() / max(demand.sum(), 1)
-supervised, lost = train_ds.n_supervised, packer.truncated_supervised()
-taps = dcfg.target_layer_ids
+supervised, lost, taps = train_ds.n_supervised, packer.truncated_supervised(), dcfg.target_layer_ids
 checks.start(args, data_dir, train_ds, demand, lost, tcfg, dcfg)
 
 # -----------------------------------------------------------------------------
@@ -206,11 +207,10 @@ if runs_drafter:
         drafter = Drafter.from_pretrained(args.init_drafter) if args.init_drafter else Drafter(dcfg)
     except ValueError as e:
         sys.exit(f"error: --init-drafter {args.init_drafter}: {e}")
-    drafter, d = drafter.to(device), drafter.config
-    if args.init_drafter:               # the trained layout: the init drafter's own
-        checks.init_drafter(args, d, dcfg, tcfg)
-        dcfg, self_check = d, checks.SelfCheck(d, device, rank_cache, skip)
-    # fp32 parameters (AdamW's master weights); the step computes in bf16 on GPU
+    if args.init_drafter:       # the trained layout: the init drafter's own (DFlash: + --arch's)
+        drafter = checks.init_drafter(args, drafter, dcfg, tcfg)
+        self_check = checks.SelfCheck(dcfg := drafter.config, device, rank_cache, skip)
+    drafter = drafter.to(device)    # fp32 parameters (AdamW's master weights); a bf16 step on GPU
     params = list(drafter.parameters())
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, fused=True)
     device_skip = bool(opt.defaults.get("fused"))   # it reads opt.found_inf (update())
@@ -220,7 +220,8 @@ if runs_drafter:
         drafter_step, drafter, anchors_per_doc=anchors_per_doc, row_anchors=row_anchors,
         embed=target.embed_tokens.weight, head=target.lm_head.weight, gamma=args.gamma,
         flex=flex_kernel_options(device) if cuda else None, ce_chunk=0 if args.plain_loss else 1024,
-        dpace=args.dpace_alpha if args.loss == "dpace" else None)
+        dpace=args.dpace_alpha if args.loss == "dpace" else None,
+        selector_alpha=args.selector_alpha)
     if not args.no_compile:
         # a recompile after warm-up, or a hit recompile limit, would silently run flex_attention's
         # dense backward: both are errors instead (and, on GPU, flex run eagerly)
@@ -538,11 +539,12 @@ for step, kind, r in schedule(start_step):
         if r == len(eval_rows) - 1:
             m = reduce(eval_sums)
             slot_acc = (m["slot_correct"] / m["slot_count"].clamp(min=1)).tolist()[1:]  # 0: anchor
+            extra, more = drafter.candidate_selector.metrics(m) if "topk_hit" in m else ({}, "")
             rec = dict(kind="eval", step=step, loss=m["loss"].item() / (len(eval_rows) * n_pairs),
                        accept=m["accept_sum"].item() / max(m["blocks"].item(), 1),
-                       slot_acc=slot_acc)
+                       slot_acc=slot_acc, **extra)
             log(rec, f"eval step {step}: loss {rec['loss']:.4f} | accept {rec['accept']:.3f} | "
-                     f"slot acc {' '.join(f'{a:.2f}' for a in slot_acc)}")
+                     f"slot acc {' '.join(f'{a:.2f}' for a in slot_acc)}{more}")
 
     elif kind == "train":
         t0 = mark()
