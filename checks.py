@@ -20,7 +20,7 @@ import warnings
 
 import torch
 
-from model import SLIDING, TILE, DrafterConfig, block_lists, flex_kernel_options, row_attention
+from model import SLIDING, TILE, DrafterConfig, flex_kernel_options, row_attention
 
 def rank_caches(root, rank, fresh=False):
     # this rank's cache dir, its Triton and Inductor caches, before anything compiles: under
@@ -171,10 +171,10 @@ def flex_matches_dense(config, device, kernel_options=None, candidate=None):
                        for h, n in ((H, Q), (KVH, KV), (KVH, KV), (H, Q))] for kind in kinds}
         apply = lambda attend: lambda qkv: {kind: attend[kind](*qkv[kind]) for kind in kinds}
         if candidate is None:   # only attention compiled: the whole step compiled was slower
-            blocks, step = block_lists(c, anchors, keep, doc, S), torch.compile(
-                lambda qkv, anchors, keep, doc, blocks: apply(row_attention(c, anchors, keep, doc,
-                S, kernel_options or {}, blocks))(qkv), fullgraph=True, dynamic=False)
-            flex = lambda qkv: step(qkv, anchors, keep, doc, blocks)
+            step = torch.compile(lambda qkv, anchors, keep, doc: apply(row_attention(
+                c, anchors, keep, doc, S, kernel_options or {}))(qkv), fullgraph=True,
+                dynamic=False)
+            flex = lambda qkv: step(qkv, anchors, keep, doc)
         else:
             flex = apply(candidate(c, anchors, keep, doc, S))
         dense, results = apply(row_attention(c, anchors, keep, doc, S)), []

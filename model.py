@@ -301,8 +301,7 @@ class DrafterConfig:
                   mask_token_id=pub.get("mask_token_id",
                                         known_mask.get(t.vocab_size, t.vocab_size - 1)))
         kw.update({k: v for k, v in overrides.items() if v is not None})
-        if sliding_window is None:
-            sliding_window = pub.get("sliding_window", 0)
+        sliding_window = pub.get("sliding_window", 0) if sliding_window is None else sliding_window
         if sliding_window < 0:
             raise ValueError(f"sliding window {sliding_window}: tokens, or 0 for all full "
                              "attention")
@@ -332,14 +331,9 @@ def flex_kernel_options(device):
     return dict(BLOCK_M=64, BLOCK_N=64, num_stages=2,
                 bwd_BLOCK_M1=32, bwd_BLOCK_N1=64, bwd_BLOCK_M2=32, bwd_BLOCK_N2=32)
 
-def block_lists(config, anchors, keep, doc, S):
-    # {layer kind: anchor_blocks(...)}: each mask's BlockMask lists, built before the graph
-    return {kind: anchor_blocks(anchors, keep, doc, S, config.block_size, window)
-            for kind, window in config.windows().items()}
-
-def row_attention(config, anchors, keep, doc, S, flex=None, blocks=None):
+def row_attention(config, anchors, keep, doc, S, flex=None):
     """{layer kind: attend(q, k, v)}: THE mask of each kind present, dense + SDPA (flex None, CPU)
-    or a BlockMask over blocks = block_lists(...) with flex's kernel options (GPU, compiled)."""
+    or a BlockMask from anchor_blocks with flex's kernel options (GPU, compiled)."""
     B, attend = config.block_size, {}
     Q, KV = anchors.shape[0] * B, S + anchors.shape[0] * B
     for kind, window in config.windows().items():
@@ -349,14 +343,14 @@ def row_attention(config, anchors, keep, doc, S, flex=None, blocks=None):
             attend[kind] = _dense_attention(mask_mod(0, 0, q_idx[:, None], kv_idx[None, :]))
         else:
             from torch.nn.attention.flex_attention import BlockMask, flex_attention
-            bm = BlockMask((Q, KV), *blocks[kind], BLOCK_SIZE=(TILE, TILE), mask_mod=mask_mod)
+            bm = BlockMask((Q, KV), *anchor_blocks(anchors, keep, doc, S, B, window),
+                           BLOCK_SIZE=(TILE, TILE), mask_mod=mask_mod)
             attend[kind] = functools.partial(flex_attention, block_mask=bm, enable_gqa=True,
                                              kernel_options=flex or None)
     return attend
 
 class DrafterLayer(nn.Module):
-    """A Qwen3 decoder layer whose attention queries are the block and keys/values [context ;
-    block]."""
+    """A Qwen3 decoder layer: queries the block, keys and values [context ; block]."""
     def __init__(self, c):
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -407,10 +401,10 @@ class Drafter(nn.Module):
         return self.norm(h)
 
     def forward(self, feats, tokens, loss_mask, doc, pos, anchors, keep, embed, head, gamma=7.0,
-                flex=None, blocks=None, ce_chunk=1024, dpace=None, selector_alpha=0.1):
+                flex=None, ce_chunk=1024, dpace=None, selector_alpha=0.1):
         """Masked training forward over one packed row: feats [S, n_feat*H]; tokens, loss_mask,
         doc, pos [S]; anchors, keep [N] (sample_anchors); embed, head the target's [vocab, H];
-        flex None (dense mask + SDPA, CPU) or kernel options with blocks = block_lists(...) (GPU);
+        flex None (dense mask + SDPA, CPU) or flex_attention's kernel options (GPU, compiled);
         dpace=alpha: D-PACE's weights, no decay; ce_chunk 0: plain_ce; DFlash2: + selector_alpha x
         its selector's loss. -> the loss, acceptance and slot sums (device)"""
         c, S, N, B = self.config, tokens.shape[0], anchors.shape[0], self.config.block_size
@@ -420,7 +414,7 @@ class Drafter(nn.Module):
         is_anchor = (k == 0) & keep[:, None]
         # [N, B]: the anchor's token, then mask tokens (all mask tokens in a padded slot)
         block_ids = tokens[anchors][:, None].expand(N, B).masked_fill(~is_anchor, c.mask_token_id)
-        attend = row_attention(c, anchors, keep, doc, S, flex, blocks)
+        attend = row_attention(c, anchors, keep, doc, S, flex)
         block_pos = (pos[anchors][:, None] + k).view(-1)   # RoPE positions anchor..anchor+B-1
         h = self.hidden(self.context(feats), pos, F.embedding(block_ids.view(-1), embed),
                         block_pos, attend)
@@ -448,10 +442,10 @@ class Drafter(nn.Module):
 
     @torch.no_grad()
     def propose(self, ctx_feats, ctx_pos, anchor_token, anchor_pos, embed, head):
-        """What a serving engine runs: context = the target's features before the anchor, block =
-        [anchor, mask x (B-1)] at anchor_pos...; full layers see every key, sliding ones as SGLang
-        (models/dflash.py: DECODER attention, W-1 keys left) and vLLM (models/qwen3_dflash.py:
-        causal iff sliding) run them: q sees p iff q - (W-1) <= p <= q. -> (B-1 tokens, logits)"""
+        """What a serving engine runs: context the target's features before the anchor, block
+        [anchor, mask x (B-1)] at anchor_pos...; sliding layers as SGLang (models/dflash.py) and
+        vLLM (models/qwen3_dflash.py) run them: q sees p iff q - (W-1) <= p <= q, full layers
+        every key. -> (B-1 tokens: DFlash2 the selector's greedy walk, the logits)"""
         c, dev = self.config, ctx_feats.device
         block = torch.full((c.block_size,), c.mask_token_id, dtype=torch.long, device=dev)
         block[0] = anchor_token
@@ -595,14 +589,12 @@ def config_from_json(cfg):
 # 6) the drafter step
 
 def drafter_step(drafter, feats, row, *, anchors_per_doc, row_anchors, flex=None, **kw):
-    """THE drafter step, before its backward: what train.py compiles whole. One packed row ({"tokens",
-    "loss_mask", "doc", "pos"} [S], on device): its anchors (per document, slots per row), their
-    BlockMask lists (flex, GPU), Drafter.forward(**kw) under bf16 autocast on GPU -> (its dict,
-    the anchors wanted before the slots' cut)."""
+    """THE drafter step before its backward, what train.py compiles whole. One packed row
+    ({"tokens", "loss_mask", "doc", "pos"} [S], on device): its anchors (per document, slots per
+    row), their BlockMask lists (flex, GPU), Drafter.forward(**kw) under bf16 autocast on GPU ->
+    (its dict, the anchors wanted before the slots' cut)."""
     anchors, keep, wanted = sample_anchors(row["loss_mask"], row["doc"], anchors_per_doc,
                                            row_anchors)
-    blocks = (block_lists(drafter.config, anchors, keep, row["doc"], row["doc"].shape[0])
-              if flex is not None else None)
     with torch.autocast("cuda", torch.bfloat16) if feats.is_cuda else nullcontext():
         return drafter(feats, **{k: row[k] for k in ("tokens", "loss_mask", "doc", "pos")},
-                       anchors=anchors, keep=keep, flex=flex, blocks=blocks, **kw), wanted
+                       anchors=anchors, keep=keep, flex=flex, **kw), wanted

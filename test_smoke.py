@@ -47,7 +47,7 @@ import model
 import prepare
 import regenerate
 from data import DataError, Packer, open_dataset, write_dataset
-from model import (FULL, SLIDING, Drafter, DrafterConfig, anchor_blocks, anchor_mask_mod, block_lists,
+from model import (FULL, SLIDING, Drafter, DrafterConfig, anchor_blocks, anchor_mask_mod,
                    config_from_json, default_target_layer_ids, drafter_rope, row_attention,
                    sample_anchors)
 import checks
@@ -2686,13 +2686,13 @@ def test_self_check_plumbing():
 
 def flex_emulated(c, anchors, keep, doc, S):
     """flex_attention's block-sparse semantics in dense SDPA: every key of a full tile visible, mask_mod
-    evaluated in partial tiles only, the other tiles hidden; the tiles from block_lists, as the step
+    evaluated in partial tiles only, the other tiles hidden; the tiles from anchor_blocks, as the step
     builds them. The check's CPU stand-in for compiled flex."""
-    B, lists, attend = c.block_size, block_lists(c, anchors, keep, doc, S), {}
+    B, attend = c.block_size, {}
     Q, KV = len(anchors) * B, S + len(anchors) * B
     q, kv = torch.arange(Q)[:, None], torch.arange(KV)[None, :]
     for kind, w in c.windows().items():
-        kv_num, kv_idx, full_num, full_idx = (x[0, 0] for x in lists[kind][:4])
+        kv_num, kv_idx, full_num, full_idx = (x[0, 0] for x in anchor_blocks(anchors, keep, doc, S, B, w)[:4])
         tiles = torch.zeros(kv_num.shape[0], -(-KV // model.TILE), dtype=torch.long)   # 1 partial, 2 full
         for r in range(kv_num.shape[0]):
             tiles[r, kv_idx[r, :kv_num[r]]], tiles[r, full_idx[r, :full_num[r]]] = 1, 2
@@ -2720,16 +2720,6 @@ def test_self_check_catches_a_one_sided_mask_edit(monkeypatch):
     monkeypatch.setattr(model, "anchor_mask_mod", edited)
     out_err, grad_err, _ = flex_matches_dense(c, "cpu", candidate=flex_emulated)
     assert out_err > 1e-3 and grad_err > 1e-3, (out_err, grad_err)
-
-
-def test_block_lists_per_kind():
-    c = probe_config()
-    doc = doc_of(cu_of([300, 212]))
-    anchors, keep = torch.tensor([5, 100, 299, 300, 450, 0]), torch.tensor([True] * 5 + [False])
-    got = block_lists(c, anchors, keep, doc, 512)
-    assert set(got) == {FULL, SLIDING}
-    for kind, w in ((FULL, 0), (SLIDING, 2048)):
-        assert all(torch.equal(a, b) for a, b in zip(got[kind], anchor_blocks(anchors, keep, doc, 512, 16, w)))
 
 
 # ==================================================================================================
