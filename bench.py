@@ -31,7 +31,7 @@ arg("--budget", type=int, default=8192, help="tokens per row")
 arg("--target", default="qwen3.6-27b", help="preset, random weights: qwen3.6-27b, qwen3.5-35b-a3b")
 arg("--drafter-layers", type=int, help="drafter layers (default: z-lab's published drafter's)")
 arg("--sliding-window", type=int, help="drafter window (default: published); 0: all full")
-arg("--arch", choices=("dflash", "dflash2"), default="dflash", help="as train.py's")
+arg("--arch", choices=("dflash", "dflash2"), default="dflash2", help="as train.py's")
 arg("--out", default=os.path.join(tempfile.gettempdir(), "dflash-bench"), help="scratch dir")
 args, dev, bf16 = p.parse_args(), torch.device("cuda"), torch.bfloat16
 TRAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")

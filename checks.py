@@ -99,6 +99,8 @@ def init_drafter(args, drafter, dcfg, tcfg):
     if args.sliding_window is not None and layout(d) != layout(dcfg):
         sys.exit(f"error: --sliding-window {args.sliding_window} asks for layers {layout(dcfg)}, "
                  f"but --init-drafter {args.init_drafter} has {layout(d)}; drop --sliding-window")
+    if args.arch == "dflash" and d.conv_kernel_size:
+        sys.exit(f"error: --arch dflash: --init-drafter {args.init_drafter} is DFlash2; drop it")
     if dcfg.conv_kernel_size and not d.conv_kernel_size:
         import dflash2
         return dflash2.upgrade(drafter, **{k: getattr(dcfg, k) for k in dflash2.FIELDS})

@@ -46,7 +46,8 @@ arg("--drafter-layers", type=number(int, 1), help="drafter layers (default: publ
 arg("--n-feat", type=number(int, 1), help="tapped target layers (default: published, else 5 or 3)")
 arg("--block-size", type=number(int, 2), default=16, help="tokens per block: anchor + drafted")
 arg("--mask-token-id", type=number(int, 0), help="embedding row of the mask (default: z-lab's)")
-arg("--arch", choices=("dflash", "dflash2"), default="dflash", help="dflash2: DFlash2 (dflash2.py)")
+arg("--arch", choices=("dflash", "dflash2"), help="drafter architecture (default: dflash2, "
+    "dflash2.py; with --init-drafter, its own)")
 arg("--init-drafter", help="start from a z-lab format drafter dir (its layout and RoPE)")
 arg("--sliding-window", type=int, help="tokens a sliding layer sees (all layers but the last "
     "slide); 0: all full attention (default: the published drafter's, else 0)")
@@ -153,7 +154,7 @@ try:
     dcfg = DrafterConfig.from_target(
         tcfg, n_feat=args.n_feat, block_size=args.block_size, num_hidden_layers=args.drafter_layers,
         mask_token_id=args.mask_token_id, sliding_window=args.sliding_window,
-        conv_kernel_size=2 if args.arch == "dflash2" else None)     # z-lab's kernel size
+        conv_kernel_size=2 if (args.arch or args.init_drafter or "dflash2") == "dflash2" else None)
 except ValueError as e:
     sys.exit(f"error: --sliding-window {args.sliding_window}: {e}")
 skip = ("CPU: the dense path is the only one; flex has no CPU backward" if not cuda else
@@ -248,8 +249,7 @@ if args.resume and runs_drafter:
     start_step, changed = checkpoint.load(ckpt_path, run, device, max_steps, drafter, opt,
                                           vars(args), world)
 if world > 1:
-    step_t = torch.tensor([start_step], device=device)
-    dist.broadcast(step_t, log_rank)
+    dist.broadcast(step_t := torch.tensor([start_step], device=device), log_rank)
     start_step = int(step_t)
 packer.seek(start_step)     # every pair consumes one row per step: the step is the data position
 val_rows = Packer(val_ds, budget, shuffle=False) if val_ds else None   # every pair evaluates them
@@ -273,11 +273,11 @@ print0(f"target: {args.target} ({tcfg.num_hidden_layers} layers, hidden {tcfg.hi
 n_params = sum(p.numel() for p in drafter.parameters()) if runs_drafter else 0
 kinds = [f"{dcfg.layer_types.count(k)} x {k}" + (f" (window {w})" if w else "")
          for k, w in dcfg.windows().items()]
-print0(f"drafter: {n_params / 1e6:.1f}M params, block {block_size}, mask token "
-       f"{dcfg.mask_token_id}, {'flex_attention (compiled)' if cuda else 'dense mask + SDPA'}; "
-       f"drafter layout: {' + '.join(kinds)}, in order "
-       f"{' '.join(t.split('_')[0] for t in dcfg.layer_types)}; rope theta {dcfg.rope_theta:g}, "
-       f"scaling {dcfg.rope_scaling}")
+print0(f"drafter: {'DFlash2' if dcfg.conv_kernel_size else 'DFlash'}, {n_params / 1e6:.1f}M "
+       f"params, block {block_size}, mask token {dcfg.mask_token_id}, "
+       f"{'flex_attention (compiled)' if cuda else 'dense mask + SDPA'}; drafter layout: "
+       f"{' + '.join(kinds)}, in order {' '.join(t.split('_')[0] for t in dcfg.layer_types)}; "
+       f"rope theta {dcfg.rope_theta:g}, scaling {dcfg.rope_scaling}")
 print0(f"self-check: {self_check.status}")
 print0(f"data: {data_dir} ({len(train_ds)} samples), {steps_per_epoch} steps/epoch of "
        f"{n_pairs} x {budget} tokens, {max_steps} steps, truncated samples per epoch: "
