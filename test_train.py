@@ -198,7 +198,7 @@ def test_target_interface(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
     fork = tmp_path / "fork"
     fork.mkdir()
-    for f in ("train.py", "model.py", "data.py", "checks.py", "checkpoint.py", "layers.py"):
+    for f in ("train.py", "model.py", "dflash2.py", "data.py", "checks.py", "checkpoint.py", "layers.py"):
         shutil.copy(os.path.join(HERE, f), fork / f)
     shutil.copy(os.path.join(HERE, "testdata", "llama_target.py"), fork / "target.py")   # no Qwen file
     torch.manual_seed(0)
@@ -286,7 +286,8 @@ def test_nonfinite_skipped_whatever_the_optimizer(tmp_path):
     for name, inject in (("clean", False), ("inf", True)):
         fork = tmp_path / name
         fork.mkdir()
-        for f in ("train.py", "model.py", "data.py", "checks.py", "checkpoint.py", "target.py", "layers.py"):
+        for f in ("train.py", "model.py", "dflash2.py", "data.py", "checks.py", "checkpoint.py", "target.py",
+                  "layers.py"):
             shutil.copy(os.path.join(HERE, f), fork / f)
         src = (fork / "train.py").read_text()
         swap = ("opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, fused=True)",
@@ -315,7 +316,8 @@ def test_eval_under_no_grad(tmp_path):
     recompile (an error once warm), the same records as the unedited trainer."""
     fork = tmp_path / "fork"
     fork.mkdir()
-    for f in ("train.py", "model.py", "data.py", "checks.py", "checkpoint.py", "target.py", "layers.py"):
+    for f in ("train.py", "model.py", "dflash2.py", "data.py", "checks.py", "checkpoint.py", "target.py",
+                  "layers.py"):
         shutil.copy(os.path.join(HERE, f), fork / f)
     src = (fork / "train.py").read_text()
     habit = ('        out, wanted = step_fn(feats, unpack_row(packed))\n',
