@@ -3865,9 +3865,11 @@ def test_dflash2_identity_start(drafter_rows, monkeypatch, tmp_path):
     d.save_pretrained(str(tmp_path))
     loaded = Drafter.from_pretrained(str(tmp_path))
     args = types.SimpleNamespace(init_drafter=str(tmp_path), block_size=16, mask_token_id=None, drafter_layers=None,
-                                 sliding_window=None)
+                                 sliding_window=None, arch="dflash2")
     d2 = checks.init_drafter(args, loaded, dataclasses.replace(loaded.config, **D2), t.config)
     assert d2.config.conv_kernel_size == 2 and loaded.config.conv_kernel_size == 0
+    with pytest.raises(SystemExit, match="--arch dflash: --init-drafter .* is DFlash2; drop it"):   # no downgrade
+        checks.init_drafter(types.SimpleNamespace(**{**vars(args), "arch": "dflash"}), d2, d2.config, t.config)
     assert set(d2.state_dict()) - set(loaded.state_dict()) == {
         k for k in d2.state_dict() if "_conv." in k or k.startswith("candidate_selector.")}
     for r in rows[:2]:
