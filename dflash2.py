@@ -38,9 +38,9 @@ def convolve(x, delta, base, B):
     return out.view(x.shape)
 
 class Conv(nn.Module):
-    """The grouped dynamic depthwise causal convolution around one sublayer: prepare(u) convolves
-    the sublayer's normed input u, finish(y, d) its output y, both kernels corrected by one
-    projection of u. Identity at init (base tap 0 = 1, the rest and the projection 0): the
+    """The grouped dynamic depthwise causal convolution around one sublayer: it convolves the
+    sublayer's normed input u (z-lab's prepare) and its output (finish), both kernels corrected by
+    one projection of u. Identity at init (base tap 0 = 1, the rest and the projection 0): the
     sublayer as DFlash computes it, exactly."""
     def __init__(self, c):
         super().__init__()
@@ -48,27 +48,18 @@ class Conv(nn.Module):
         assert H % G == 0, f"hidden_size {H}: not a multiple of conv_group_size {G}"
         assert K <= c.block_size, f"conv_kernel_size {K} > block_size {c.block_size}"
         self.block_size = c.block_size
-        self.base_kernel = nn.Parameter(torch.empty(2, K, H))          # [side, tap, channel]
+        self.base_kernel = nn.Parameter(torch.zeros(2, K, H))          # [side, tap, channel]
         # rows ordered (side, tap, group), group fastest, as z-lab's .view(..., 2, K, H/G) reads
         self.kernel_projection = nn.Linear(H, 2 * K * (H // G), bias=False)
-        self.reset()
-
-    def reset(self):
         with torch.no_grad():
-            self.base_kernel.zero_()[:, 0] = 1.0
+            self.base_kernel[:, 0] = 1.0
             self.kernel_projection.weight.zero_()
 
-    def prepare(self, u):   # -> (u convolved, the output side's dynamic kernel [n*B, K, H/G])
-        K = self.base_kernel.shape[1]
-        d = self.kernel_projection(u).view(u.shape[0], 2, K, -1)        # [n*B, side, K, H/G]
-        return convolve(u, d[:, 0], self.base_kernel[0], self.block_size), d[:, 1]
-
-    def finish(self, y, d):
-        return convolve(y, d, self.base_kernel[1], self.block_size)
-
     def forward(self, u, sublayer):   # the sublayer between the two sides
-        u, d = self.prepare(u)
-        return self.finish(sublayer(u), d)
+        K, B = self.base_kernel.shape[1], self.block_size
+        d = self.kernel_projection(u).view(u.shape[0], 2, K, -1)        # [n*B, side, K, H/G]
+        y = sublayer(convolve(u, d[:, 0], self.base_kernel[0], B))
+        return convolve(y, d[:, 1], self.base_kernel[1], B)
 
 # -----------------------------------------------------------------------------
 # 2) the candidate selector and the walk
@@ -82,9 +73,6 @@ class Selector(nn.Module):
         self.hidden_projection = nn.Linear(c.hidden_size, c.selector_rank, bias=False)
         self.predecessor_codebook = nn.Parameter(torch.empty(c.vocab_size, c.selector_rank))
         self.successor_codebook = nn.Parameter(torch.empty(c.vocab_size, c.selector_rank))
-        self.reset()
-
-    def reset(self):
         # successor 0: the selector starts as the plain top-1 (SpecForge's init); A, P normal(0.02)
         nn.init.normal_(self.hidden_projection.weight, std=0.02)
         nn.init.normal_(self.predecessor_codebook, std=0.02)

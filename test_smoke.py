@@ -3834,7 +3834,7 @@ def ref_conv(x, u, W, base, side, K, G, B):
 
 @pytest.mark.parametrize("K", [2, 3])
 def test_dflash2_conv_matches_loops(K):
-    """Conv.prepare / finish on a packed row of 3 blocks of 4 slots (random, non-identity weights) == the
+    """Conv's two sides (z-lab's prepare / finish) on a packed row of 3 blocks of 4 slots (random, non-identity weights) == the
     loops, fp32 precision; slot 0 of the 2nd and 3rd blocks reads nothing of the block before (a conv over
     the whole row, ignoring blocks, differs exactly there)."""
     c = dflash2_config(conv_kernel_size=K, block_size=4)
@@ -3846,9 +3846,10 @@ def test_dflash2_conv_matches_loops(K):
     H, G, B = 64, 16, 4
     assert conv.kernel_projection.weight.shape == (2 * K * H // G, H)
     u, y = torch.randn(3 * B, H, generator=g), torch.randn(3 * B, H, generator=g)
+    seen = []                                             # the sublayer's input: u convolved
     with torch.no_grad():
-        x, d = conv.prepare(u)
-        out = conv.finish(y, d)
+        out = conv(u, lambda x: seen.append(x) or y)
+    x = seen[0]
     W, base = conv.kernel_projection.weight, conv.base_kernel.detach()
     assert rel_err(x, ref_conv(u, u, W, base, 0, K, G, B)) < 1e-6
     assert rel_err(out, ref_conv(y, u, W, base, 1, K, G, B)) < 1e-6
