@@ -9,8 +9,8 @@ prompts, mean +- 95% CI. All is cached under --work by its settings; runs side b
   python quality.py --split dev -- --lr 1e-3     # tune on dev: flags after -- go to train.py
   python quality.py --split dev --compare "--loss dflash" ""   # side by side, one table
   python quality.py --compare "--max-steps 1500" "--max-steps 3000" ""   # converged?
-A run (train.py's --out, keyed by the build and its flags) trains once: a finished one is reused
-for every split and temperature.
+A run (train.py's --out, keyed by the build, its flags and train.py's defaults) trains once: a
+finished one is reused for every split and temperature.
 """
 import contextlib
 import fcntl
@@ -410,9 +410,13 @@ def main(argv=None):
     if args.build_only:
         return
     # --compare: a child quality.py per configuration, side by side on this GPU; the table from
-    # what they kept in their run dirs (train.py's --out, keyed by the build and the flags)
+    # what they kept in their run dirs (train.py's --out, keyed by the build, the flags and
+    # train.py's defaults as its --help gives them: a changed default trains anew)
     configs, procs, t0 = [shlex.split(c) for c in args.compare] or [argv[cut + 1:]], [], time.time()
-    outs = [os.path.join(args.work, "run-" + digest([b.key(), run_flags(u)])) for u in configs]
+    defaults = " ".join(subprocess.run([sys.executable, os.path.join(HERE, "train.py"), "--help"],
+                                       capture_output=True, text=True).stdout.split())
+    outs = [os.path.join(args.work, "run-" + digest([b.key(), run_flags(u), defaults]))
+            for u in configs]
     i = argv.index("--compare") if args.compare else 0   # its strings: right after it
     own = argv[:i] + argv[i + 1 + len(args.compare):]
     for user, out in zip(configs, outs) if args.compare else []:

@@ -2984,7 +2984,7 @@ def test_quality_target_is_a_checkpoint(tmp_path):
     assert DrafterConfig.from_target(loaded.config).mask_token_id == 299
 
 
-def test_quality_command_end_to_end(tmp_path, capsys):
+def test_quality_command_end_to_end(tmp_path, capsys, monkeypatch):
     """python quality.py at toy scale: builds the target and its data once (a second run reuses them), trains
     with train.py (flags after --), and prints the replayed tau that generate.replay_dataset gives for the
     exported drafter, with its histogram. A finished run is reused for another split and temperature;
@@ -3048,6 +3048,17 @@ def test_quality_command_end_to_end(tmp_path, capsys):
     assert data.open_dataset(str(other / "data" / "train")).meta["n_samples"] == 8
     for f in (build / "target").iterdir():
         assert f.read_bytes() == (other / "target" / f.name).read_bytes(), f.name
+    # a changed train.py default is a new run (its --help is in the key): it trains again
+    fork = tmp_path / "fork"
+    fork.mkdir()
+    for f in os.listdir(HERE):
+        if f.endswith(".py"):
+            shutil.copy(os.path.join(HERE, f), fork / f)
+    src = (fork / "train.py").read_text()
+    (fork / "train.py").write_text(src.replace("default=6e-4", "default=7e-4"))
+    monkeypatch.setattr(quality, "HERE", str(fork))
+    quality.main(small + ["--tau-temperature", "0", "--", *flags])
+    assert "train: " in capsys.readouterr().out
 
 
 def test_quality_builds_side_by_side(tmp_path):
