@@ -32,6 +32,15 @@ from test_smoke import (BAD_LAYOUTS, YARN, demo_data, edit_config, tiny_target, 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+def fork_trainer(path, target=os.path.join(HERE, "target.py")):
+    """The trainer's files copied into path (a forker's checkout), target.py from `target`."""
+    path.mkdir()
+    for f in ("train.py", "model.py", "dflash2.py", "data.py", "checks.py", "checkpoint.py", "layers.py"):
+        shutil.copy(os.path.join(HERE, f), path / f)
+    shutil.copy(target, path / "target.py")
+    return path
+
+
 def clean_env():
     # like a fresh shell: inductor writes its default TORCHINDUCTOR_CACHE_DIR into os.environ once
     # anything in this process compiled, and an inherited value would (rightly) be taken as the
@@ -196,11 +205,7 @@ def test_target_interface(tmp_path):
     target.py) equals transformers' LlamaForCausalLM layer by layer, and trains: one process and one pair
     over gloo give the same curve."""
     from transformers import LlamaConfig, LlamaForCausalLM
-    fork = tmp_path / "fork"
-    fork.mkdir()
-    for f in ("train.py", "model.py", "dflash2.py", "data.py", "checks.py", "checkpoint.py", "layers.py"):
-        shutil.copy(os.path.join(HERE, f), fork / f)
-    shutil.copy(os.path.join(HERE, "testdata", "llama_target.py"), fork / "target.py")   # no Qwen file
+    fork = fork_trainer(tmp_path / "fork", os.path.join(HERE, "testdata", "llama_target.py"))  # no Qwen file
     torch.manual_seed(0)
     hf = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
                                       num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
@@ -284,11 +289,7 @@ def test_nonfinite_skipped_whatever_the_optimizer(tmp_path):
     before it is the unedited SGD fork's."""
     curves = {}
     for name, inject in (("clean", False), ("inf", True)):
-        fork = tmp_path / name
-        fork.mkdir()
-        for f in ("train.py", "model.py", "dflash2.py", "data.py", "checks.py", "checkpoint.py", "target.py",
-                  "layers.py"):
-            shutil.copy(os.path.join(HERE, f), fork / f)
+        fork = fork_trainer(tmp_path / name)
         src = (fork / "train.py").read_text()
         swap = ("opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, fused=True)",
                 "opt = torch.optim.SGD(params, lr=args.lr, momentum=0.9)")
@@ -314,11 +315,7 @@ def test_nonfinite_skipped_whatever_the_optimizer(tmp_path):
 def test_eval_under_no_grad(tmp_path):
     """A fork that evaluates under torch.no_grad() (the habit) runs train.py's one compiled graph: no
     recompile (an error once warm), the same records as the unedited trainer."""
-    fork = tmp_path / "fork"
-    fork.mkdir()
-    for f in ("train.py", "model.py", "dflash2.py", "data.py", "checks.py", "checkpoint.py", "target.py",
-                  "layers.py"):
-        shutil.copy(os.path.join(HERE, f), fork / f)
+    fork = fork_trainer(tmp_path / "fork")
     src = (fork / "train.py").read_text()
     habit = ('        out, wanted = step_fn(feats, unpack_row(packed))\n',
              '        with torch.no_grad():\n            out, wanted = step_fn(feats, unpack_row(packed))\n')
