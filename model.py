@@ -157,7 +157,7 @@ class _WeightedCE(torch.autograd.Function):
                 # at once. g - g is 0 (NaN only if the step already is); the compiler folds g * 0.
                 g = (grads[-1] if grads else loss.view(1, 1))[:1, :1]
                 x = x + (g - g).to(x.dtype)
-            logits = (x @ weight.t()).float()
+            logits = (raw := x @ weight.t()).float()    # DFlash2's top-k reads raw: half the bytes
             lse = logits.logsumexp(-1)
             y, w_chunk = labels[s:s + chunk, None], w[s:s + chunk]
             gold = logits.gather(1, y)
@@ -167,7 +167,7 @@ class _WeightedCE(torch.autograd.Function):
                                         dpace).view(-1)
             loss = loss + (w_chunk * ce.masked_fill(w_chunk == 0, 0.0)).sum()   # no NaN * 0
             pred.append(logits.argmax(-1))
-            tops += [_top(logits, gold, top_k)] if top_k else []
+            tops += [_top(raw, gold, top_k)] if top_k else []
             if ctx.needs_input_grad[0]:
                 p = (logits - lse[:, None]).exp()                       # d CE / d logits: softmax
                 p = p.scatter_add(1, y, torch.full_like(y, -1, dtype=logits.dtype))   # - onehot
@@ -184,7 +184,7 @@ class _WeightedCE(torch.autograd.Function):
 
 def _top(logits, gold, k):  # DFlash2's candidates: (top-k logits, then the gold one), their ids
     v, i = logits.topk(k, dim=-1)
-    return torch.cat([v, gold], 1), i
+    return torch.cat([v.float(), gold], 1), i
 
 def plain_ce(h, weight, labels, w, B, dpace=None, top_k=0):
     """_WeightedCE's value as plain autograd over full-vocab logits [rows, vocab] at once: the
