@@ -471,8 +471,8 @@ class Drafter(nn.Module):
         attn = 4 * c.num_attention_heads * c.head_dim * pairs          # QK^T and PV
         fc = 2 * S * self.fc.in_features * c.hidden_size               # no input grad: fwd + dW
         head = 2 * Q * c.vocab_size * c.hidden_size
-        fwd2 = self.candidate_selector.flops(Q) if c.conv_kernel_size else 0   # fwd + bwd
-        return 3 * (fwd + attn) + 2 * fc + 2 * head + fwd2   # fwd + 2x bwd; frozen head: logits, dh
+        extra = self.candidate_selector.flops(Q) if c.conv_kernel_size else 0   # DFlash2's
+        return 3 * (fwd + attn) + 2 * fc + 2 * head + extra  # fwd + 2x bwd; frozen head: logits, dh
 
     # -------------------------------------------------------------------------
     # 5) export in the z-lab format

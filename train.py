@@ -154,7 +154,7 @@ try:
     dcfg = DrafterConfig.from_target(
         tcfg, n_feat=args.n_feat, block_size=args.block_size, num_hidden_layers=args.drafter_layers,
         mask_token_id=args.mask_token_id, sliding_window=args.sliding_window,
-        conv_kernel_size=2 if (args.arch or args.init_drafter or "dflash2") == "dflash2" else None)
+        conv_kernel_size=2 if args.arch == "dflash2" or not (args.arch or args.init_drafter) else 0)
 except ValueError as e:
     sys.exit(f"error: --sliding-window {args.sliding_window}: {e}")
 skip = ("CPU: the dense path is the only one; flex has no CPU backward" if not cuda else
