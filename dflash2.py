@@ -78,6 +78,24 @@ class Selector(nn.Module):
         nn.init.normal_(self.predecessor_codebook, std=0.02)
         nn.init.zeros_(self.successor_codebook)
 
+    def candidates(self, logits, group=256):
+        """torch.topk(logits [rows, V], top_k) -> (values fp32, ids) [rows, top_k], without its
+        radix select over the whole vocabulary (the selector's slowest kernel): the top k lie
+        in the k groups of `group` logits with the largest maxima (a group holding one has a max
+        >= the k-th value, and at most k groups do), so a top k over those k * group logits (and
+        the V % group last ones) is exact; at ties it may pick another of the tied ids."""
+        (n, V), k = logits.shape, self.top_k
+        if V < 4 * k * group:
+            v, i = logits.topk(k, dim=-1)
+            return v.float(), i
+        m = V // group * group
+        best = logits[:, :m].view(n, m // group, group).amax(-1).topk(k, dim=-1).indices  # [n, k]
+        arange = lambda a, b: torch.arange(a, b, device=logits.device)
+        ids = torch.cat([(best[..., None] * group + arange(0, group)).view(n, k * group),
+                         arange(m, V).expand(n, -1)], 1)                # [n, k*group + V % group]
+        v, i = logits.gather(1, ids).topk(k, dim=-1)
+        return v.float(), ids.gather(1, i)
+
     def score(self, z, prev, cand, unary):
         # z = P h [..., r], prev [...] token ids, cand and unary [..., k] -> scores [..., k], fp32
         pair = torch.einsum("...r,...kr->...k", z * self.predecessor_codebook[prev],

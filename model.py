@@ -145,9 +145,9 @@ class _WeightedCE(torch.autograd.Function):
     logits never exist at once), the gradient wrt h made in the forward (no second logits GEMM in
     the backward). dpace=alpha: w is the 0/1 supervision, each block's weights dpace_weights of the
     slots' own probabilities (chunks of whole blocks of B rows), constants for the gradient.
-    top_k > 0 (DFlash2): also each row's top_k logits and its label's [rows, top_k + 1], ids."""
+    top (DFlash2's Selector.candidates): also each row's top-k logits and its label's, ids."""
     @staticmethod
-    def forward(ctx, h, weight, labels, w, chunk, B=None, dpace=None, top_k=0):
+    def forward(ctx, h, weight, labels, w, chunk, B=None, dpace=None, top=None):
         loss, pred, grads, tops = h.new_zeros((), dtype=torch.float32), [], [], []
         for s in range(0, h.shape[0], chunk):
             x = h[s:s + chunk]
@@ -167,7 +167,7 @@ class _WeightedCE(torch.autograd.Function):
                                         dpace).view(-1)
             loss = loss + (w_chunk * ce.masked_fill(w_chunk == 0, 0.0)).sum()   # no NaN * 0
             pred.append(logits.argmax(-1))
-            tops += [_top(raw, gold, top_k)] if top_k else []
+            tops += [_top(top, raw, gold)] if top is not None else []
             if ctx.needs_input_grad[0]:
                 p = (logits - lse[:, None]).exp()                       # d CE / d logits: softmax
                 p = p.scatter_add(1, y, torch.full_like(y, -1, dtype=logits.dtype))   # - onehot
@@ -182,18 +182,18 @@ class _WeightedCE(torch.autograd.Function):
         (dh,) = ctx.saved_tensors
         return (dh * g_loss).to(dh.dtype), None, None, None, None, None, None, None
 
-def _top(logits, gold, k):  # DFlash2's candidates: (top-k logits, then the gold one), their ids
-    v, i = logits.topk(k, dim=-1)
-    return torch.cat([v.float(), gold], 1), i
+def _top(top, logits, gold):  # DFlash2's candidates: (top-k logits, then the gold one), their ids
+    v, i = top(logits)
+    return torch.cat([v, gold], 1), i
 
-def plain_ce(h, weight, labels, w, B, dpace=None, top_k=0):
+def plain_ce(h, weight, labels, w, B, dpace=None, top=None):
     """_WeightedCE's value as plain autograd over full-vocab logits [rows, vocab] at once: the
     reference, and where to prototype another loss (ce_chunk=0; train.py --plain-loss)."""
     logits = (h @ weight.t()).float()
     ce = F.cross_entropy(logits, labels, reduction="none")
     if dpace is not None:
         w = dpace_weights((-ce.detach()).exp().view(-1, B), w.view(-1, B) > 0, dpace).view(-1)
-    top = _top(logits.detach(), logits.detach().gather(1, labels[:, None]), top_k) if top_k else ()
+    top = () if top is None else _top(top, x := logits.detach(), x.gather(1, labels[:, None]))
     return (w * ce.masked_fill(w == 0, 0.0)).sum(), logits.argmax(-1), *top
 
 # -----------------------------------------------------------------------------
@@ -429,15 +429,15 @@ class Drafter(nn.Module):
             w, chunk = supervised.float(), max(B, ce_chunk // B * B)
             d = doc[anchors]
             norm = (keep & torch.cat([keep[:1], d[1:] != d[:-1]])).sum().clamp(min=1)
-        top_k = c.selector_top_k if c.conv_kernel_size else 0      # DFlash2's candidates
+        pick = self.candidate_selector.candidates if c.conv_kernel_size else None   # DFlash2
         wce, pred, *top = (
-            _WeightedCE.apply(h, head, labels.view(-1), w.view(-1), chunk, B, dpace, top_k)
-            if ce_chunk else plain_ce(h, head, labels.view(-1), w.view(-1), B, dpace, top_k))
+            _WeightedCE.apply(h, head, labels.view(-1), w.view(-1), chunk, B, dpace, pick)
+            if ce_chunk else plain_ce(h, head, labels.view(-1), w.view(-1), B, dpace, pick))
         correct = (pred.view(N, B) == labels) & supervised
         accepted = 1 + correct[:, 1:].long().cumprod(1).sum(1)  # anchor + leading correct slots
         out = dict(loss=wce / norm, accept_sum=(accepted * keep).sum(),
                    blocks=keep.sum(), slot_correct=correct.sum(0), slot_count=supervised.sum(0))
-        return out if not top_k else self.candidate_selector.terms(
+        return out if pick is None else self.candidate_selector.terms(
             out, h, head, labels, supervised, keep, top, selector_alpha)
 
     @torch.no_grad()

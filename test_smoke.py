@@ -3951,6 +3951,30 @@ def test_dflash2_walk_matches_loops():
     assert len(set(path.view(-1).tolist())) > 5    # the draws are not all one token
 
 
+@pytest.mark.parametrize("V", [20000, 16384 + 100])
+def test_dflash2_candidates_equal_topk(V):
+    """Selector.candidates (the max of each 256 logits, the top 16 groups, a top-16 over their 4,096 and the
+    tail) == torch.topk over the whole vocabulary: fp32 values and ids exactly; bf16 logits (ties at the 16th
+    value) the same values, ids whose logits are those values. The top 16 planted in 16 distinct groups, in
+    one group, and in the V % 256 tail, where a wrong grouping would miss them; eager and compiled."""
+    sel = dflash2.Selector(dflash2_config(vocab_size=V, selector_top_k=16))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, V, generator=g)
+    x[1, torch.arange(16) * 997 % V] += 10          # 16 groups
+    x[2, 512:528] += 10                              # one group
+    x[3, V - 16:] += 10                              # the tail when V % 256 > 0
+    x[4, :] = x[4, :].sort().values                  # the 16 best in the last group(s)
+    compiled = torch.compile(sel.candidates, fullgraph=True, dynamic=False)
+    for fn in (sel.candidates, compiled):
+        v, i = fn(x)
+        ref = x.topk(16, dim=-1)
+        assert torch.equal(v, ref.values) and torch.equal(i, ref.indices)
+        xb = x.bfloat16()
+        v, i = fn(xb)
+        assert v.dtype == torch.float32 and torch.equal(v, xb.topk(16, dim=-1).values.float())
+        assert torch.equal(xb.gather(1, i).float(), v)
+    assert (xb.topk(17, dim=-1).values[:, 15:].diff(dim=-1) == 0).any()   # ties happened in bf16
+
 def test_dflash2_selector_loss_by_hand():
     """Selector.terms on one block of 3 slots (anchor token 0, labels 3 and 1), top-2 candidates, P = I, A[0]
     = (1, 1), A[3] = (2, 2), other A rows 0 (a wrong predecessor shows), h_1 = (1, 0), h_2 = (0, 1):
