@@ -39,9 +39,11 @@ def explain_stops(rank, out, cache_dirs):
     go_on = f"continue from the last checkpoint with --resume --out {out}"
 
     def on_sigterm(signum, frame):
-        # torchrun tears the whole job down when one process dies: say why, and how to go on
-        print(f"rank {rank}: stopping on SIGTERM (another process of this job failed, or the job "
-              f"was cancelled); {go_on}", file=sys.stderr, flush=True)
+        # torchrun tears the whole job down when one process dies: say why, and how to go on. To
+        # fd 2, not sys.stderr: torch.distributed's excepthook swaps that for a StringIO while it
+        # formats an error, which the SIGTERM that follows that error can interrupt
+        os.write(2, f"rank {rank}: stopping on SIGTERM (another process of this job failed, or "
+                 f"the job was cancelled); {go_on}\n".encode())
         os._exit(143)
 
     def on_error(exc_type, value, tb):

@@ -376,6 +376,16 @@ def test_killed_rank_stops_job_and_resume_continues(tmp_path):
         assert abs(a_loss[s] - b_loss[s]) < 1e-4, (s, a_loss[s], b_loss[s])
 
 
+def test_sigterm_hint_reaches_stderr_while_an_excepthook_holds_it():
+    """The survivor's SIGTERM message above, when the SIGTERM lands while torch.distributed's
+    excepthook has swapped sys.stderr for a StringIO (it formats the peer's gloo error there): the
+    flaky case, made certain here by holding the swap. Printed to sys.stderr it was lost."""
+    code = ("import io, os, signal, sys; import checks; checks.explain_stops(0, 'OUT', ['t', 'i']); "
+            "sys.stderr = io.StringIO(); os.kill(os.getpid(), signal.SIGTERM); sys.stderr.flush()")
+    p = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 143 and "stopping on SIGTERM" in p.stderr and "--resume --out OUT" in p.stderr, p
+
+
 def test_multinode_gloo_and_caches(tmp_path):
     """torchrun --nnodes=2 --nproc_per_node=2 on loopback: each pair stays in its node, both drafters
     end identical; every rank has its own cache dirs; --fresh-cache empties them."""
