@@ -381,7 +381,7 @@ def test_sigterm_hint_reaches_stderr_while_an_excepthook_holds_it():
     excepthook has swapped sys.stderr for a StringIO (it formats the peer's gloo error there): the
     flaky case, made certain here by holding the swap. Printed to sys.stderr it was lost."""
     code = ("import io, os, signal, sys; import checks; checks.explain_stops(0, 'OUT', ['t', 'i']); "
-            "sys.stderr = io.StringIO(); os.kill(os.getpid(), signal.SIGTERM); sys.stderr.flush()")
+            "sys.stderr = io.StringIO(); os.kill(os.getpid(), signal.SIGTERM)")
     p = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, timeout=60)
     assert p.returncode == 143 and "stopping on SIGTERM" in p.stderr and "--resume --out OUT" in p.stderr, p
 
