@@ -64,6 +64,22 @@ class Conv(nn.Module):
 # -----------------------------------------------------------------------------
 # 2) the candidate selector and the walk
 
+class _Unary(torch.autograd.Function):
+    """The chunked head pass's logits vals [rows, k] at ids [rows, k] (no gradient of their own),
+    given the gradient they have as (h @ head^T)[ids]: d/dh = sum_c g_c head[ids_c], one pointwise
+    pass over [rows, H] (autograd's [rows, k, H] gather and reduction is several times slower)."""
+    @staticmethod
+    def forward(ctx, vals, h, head, ids):
+        ctx.save_for_backward(head, ids)
+        ctx.dtype = h.dtype
+        return vals.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        head, ids = ctx.saved_tensors
+        dh = sum(g[:, c, None] * head[ids[:, c]].float() for c in range(ids.shape[1]))
+        return None, dh.to(ctx.dtype), None, None
+
 class Selector(nn.Module):
     """score_j(p -> c) = unary_j[c] + <A[p] * (P h_j), B[c]>: unary the drafter's logit of c, A, B
     the predecessor and successor codebooks [V, r] (bare tensors, as exported), P [H -> r]."""
@@ -137,9 +153,7 @@ class Selector(nn.Module):
         (vals, cand), (N, B), k = top, labels.shape, self.top_k
         y, prev = labels.reshape(-1), F.pad(labels[:, :-1], (1, 0)).reshape(-1)
         ids = torch.cat([cand, y[:, None]], 1)                          # [N*B, k + 1]
-        # the chunked pass's values; their gradient into h through the gathered head rows
-        exact = (head[ids] * h[:, None]).sum(-1).float()
-        s = self.score(self.hidden_projection(h), prev, ids, vals + (exact - exact.detach()))
+        s = self.score(self.hidden_projection(h), prev, ids, _Unary.apply(vals, h, head, ids))
         hit = cand == y[:, None]
         found = hit.any(-1)
         gold = s[:, k:].masked_fill(found[:, None], -torch.inf)        # counted once

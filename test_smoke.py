@@ -4011,6 +4011,13 @@ def test_dflash2_selector_loss_by_hand():
     assert (out["topk_hit"], out["selector_correct"], out["walk_accept_sum"]) == (1, 1, 2)
     out["loss"].backward()
     assert h.grad[0].abs().sum() == 0 and h.grad[1:].abs().sum() > 0     # the anchor's slot: no loss
+    # _Unary's gradient into h == plain autograd through the full logits h @ head^T at the ids
+    grad, h.grad = h.grad.clone(), None
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(dflash2._Unary, "apply", lambda v, h, head, ids: v + (x := (h @ head.T).gather(1, ids)) - x.detach())
+        sel.terms(dict(loss=torch.tensor(1.0)), h, head, labels, supervised, torch.tensor([True]), (vals, cand),
+                  0.5)["loss"].backward()
+    assert rel_err(grad, h.grad) < 1e-6
 
 
 def test_dflash2_export_keys_and_reload(tmp_path, drafter_rows):
