@@ -62,6 +62,9 @@ def save(out, step, drafter, state):
         sys.exit(f"error: --out {out}: cannot write {where} (step {step}): {err}; free space "
                  f"or fix permissions, then continue with --resume --out {out}")
 
+# identity's keys present only off their default, and that default (older checkpoints lack them)
+ABSENT = {"--loss": "dflash", "--objective": "ce"}
+
 def identity(args, pairs, data_meta, row_anchors, dcfg, tcfg):
     """What defines a run: another value trains another drafter or other rows (rows are dealt to
     pairs), so --resume refuses it; the rest may change, reported (--max-steps: a new schedule)."""
@@ -74,6 +77,9 @@ def identity(args, pairs, data_meta, row_anchors, dcfg, tcfg):
            "drafter config": vars(dcfg), "target config": vars(tcfg)}
     if args.loss != "dflash":      # (absent from dflash runs: their older checkpoints still resume)
         run.update({"--loss": args.loss, "--dpace-alpha": args.dpace_alpha})
+    if args.objective != "ce":     # (likewise)
+        run.update({"--objective": args.objective,
+                    "--objective-temperature": args.objective_temperature})
     return run
 
 def run_flags(parser, args, argv=None):
@@ -104,8 +110,8 @@ def load(ckpt_path, run, device, max_steps, drafter, opt, args, world):
         was, step = ckpt["run"], ckpt["step"]
     except Exception as e:
         sys.exit(f"{unreadable} ({type(e).__name__}: {e})")
-    for key, now in run.items():
-        then = was.get(key)
+    for key in [*run, *(k for k in was if k not in run)]:   # a flag the run dropped too
+        now, then = (r.get(key, ABSENT.get(key)) for r in (run, was))
         why = f"{key} {now} differs from the checkpoint's {then}; resume with {key} {then}"
         if key == "pairs":
             why = (f"{now} pair(s) differ from the checkpoint's {then}: rows are dealt to pairs; "

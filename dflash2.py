@@ -141,16 +141,18 @@ class Selector(nn.Module):
     # -------------------------------------------------------------------------
     # 3) training terms
 
-    def terms(self, out, h, head, labels, supervised, keep, top, alpha):
+    def terms(self, out, h, head, labels, supervised, keep, top, alpha, obj=None):
         """Drafter.forward's dict `out` (its loss: the backbone's) plus alpha x the selector's mean
         K-way CE over the supervised slots, teacher-forced: slot k's predecessor the gold token
         at slot k - 1 (slot 1: the anchor), its candidates the top_k of its logits plus the gold
         token where missing (the loss only). h [N*B, H]; labels, supervised [N, B]; keep [N];
         top: the chunked head pass's (values [N*B, top_k + 1], top_k then the gold logit; ids
-        [N*B, top_k]). Metrics as served (strict top_k): gold in the top_k, the selector's
-        choice right, the walk's teacher-forced accepted length (a walk right so far has gold
-        predecessors: it is the greedy walk's own)."""
-        (vals, cand), (N, B), k = top, labels.shape, self.top_k
+        [N*B, top_k]; obj: the target's p at the ids). obj (distill.Objective): its objective on
+        the walk's q over the top_k instead of the CE, what sampling serves. Metrics as served
+        (strict top_k): gold in the top_k, the selector's choice right, the walk's teacher-forced
+        accepted length (a walk right so far has gold predecessors: it is the greedy walk's own;
+        obj: its expected accepted length under sampling)."""
+        (vals, cand, *p_at), (N, B), k = top, labels.shape, self.top_k
         y, prev = labels.reshape(-1), F.pad(labels[:, :-1], (1, 0)).reshape(-1)
         ids = torch.cat([cand, y[:, None]], 1)                          # [N*B, k + 1]
         s = self.score(self.hidden_projection(h), prev, ids, _Unary.apply(vals, h, head, ids))
@@ -159,24 +161,18 @@ class Selector(nn.Module):
         gold = s[:, k:].masked_fill(found[:, None], -torch.inf)        # counted once
         ce = F.cross_entropy(torch.cat([s[:, :k], gold], 1),
                              torch.where(found, hit.int().argmax(-1), k), reduction="none")
-        sup = supervised.reshape(-1)
+        sup, more = supervised.reshape(-1), {}
+        if obj is not None:
+            ce, a = obj.walk(s[:, :k], p_at[0], ce)
+            more["walk_sampled_accept_sum"] = ((1 + (a.view(N, B) * supervised)[:, 1:].cumprod(
+                1).sum(1)) * keep).sum()
         loss = (ce * sup).sum() / sup.sum().clamp(min=1)
         choice = cand.gather(1, s[:, :k].argmax(-1, keepdim=True))[:, 0]
         right = (choice == y).view(N, B) & supervised
         walked = 1 + right[:, 1:].long().cumprod(1).sum(1)              # anchor + leading right
         return dict(out, loss=out["loss"] + alpha * loss, selector_loss=loss.detach(),
                     topk_hit=(found.view(N, B) & supervised).sum(), selector_correct=right.sum(),
-                    walk_accept_sum=(walked * keep).sum())
-
-    @staticmethod
-    def metrics(m):
-        """An eval's record fields and console text from the drafters' sums m (Drafter.forward's
-        dict summed): top-K recall and the selector's accuracy over the supervised slots, its
-        walk's teacher-forced accepted length (beside the plain argmax's `accept`)."""
-        n, blocks = m["slot_count"].sum().clamp(min=1), max(m["blocks"].item(), 1)
-        r = dict(topk_recall=(m["topk_hit"] / n).item(), selector_acc=(m["selector_correct"] /
-                 n).item(), walk_accept=m["walk_accept_sum"].item() / blocks)
-        return r, "".join(f" | {k.replace('_', ' ')} {v:.3f}" for k, v in r.items())
+                    walk_accept_sum=(walked * keep).sum(), **more)
 
     def flops(self, Q):
         """Matmul FLOPs of DFlash2's parts in a training step (fwd + bwd) over Q block tokens: the

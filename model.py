@@ -140,17 +140,28 @@ def dpace_weights(q, valid, alpha):
     prefix = smooth.cumprod(-1) * valid
     return prefix.flip(-1).cumsum(-1).flip(-1) * valid
 
+def ce_terms(z, y):
+    # per row of logits z [n, V] (fp32), label y [n, 1]: CE, its gradient wrt z (softmax - onehot),
+    # the label's probability
+    lse = z.logsumexp(-1)
+    ce = lse - z.gather(1, y)[:, 0]
+    dz = (z - lse[:, None]).exp().scatter_add(1, y, torch.full_like(y, -1, dtype=z.dtype))
+    return ce, dz, (-ce).exp()
+
 class _WeightedCE(torch.autograd.Function):
     """sum_i w_i * CE(h_i @ W^T, y_i) over the frozen LM head W in chunks of rows (the [N*B, vocab]
     logits never exist at once), the gradient wrt h made in the forward (no second logits GEMM in
     the backward). dpace=alpha: w is the 0/1 supervision, each block's weights dpace_weights of the
-    slots' own probabilities (chunks of whole blocks of B rows), constants for the gradient.
-    top (DFlash2's Selector.candidates): also each row's top-k logits and its label's, ids."""
+    slots' own acceptances (chunks of whole blocks of B rows), constants for the gradient. obj
+    (distill.Objective): its objective instead of CE, against the target's logits t_h @ W^T in the
+    same chunks (t_h [rows, H]: the target's final hidden state before each label). top (DFlash2's
+    Selector.candidates): also each row's top-k logits and its label's, ids (obj: p there).
+    -> the loss, the argmax, per row the label's probability (obj: sum_x min(p, q)), top's."""
     @staticmethod
-    def forward(ctx, h, weight, labels, w, chunk, B=None, dpace=None, top=None):
-        loss, pred, grads, tops = h.new_zeros((), dtype=torch.float32), [], [], []
+    def forward(ctx, h, weight, labels, w, chunk, B=None, dpace=None, top=None, t_h=None, obj=None):
+        loss, pred, acc, grads, tops = h.new_zeros((), dtype=torch.float32), [], [], [], []
         for s in range(0, h.shape[0], chunk):
-            x = h[s:s + chunk]
+            x, xt = h[s:s + chunk], t_h[s:s + chunk] if obj else None
             if s:
                 # one chunk after another: without a data dependency on the last chunk's result
                 # torch.compile fuses the chunks' kernels into one, which holds every chunk's logits
@@ -158,21 +169,18 @@ class _WeightedCE(torch.autograd.Function):
                 g = (grads[-1] if grads else loss.view(1, 1))[:1, :1]
                 x = x + (g - g).to(x.dtype)
             logits = (raw := x @ weight.t()).float()    # DFlash2's top-k reads raw: half the bytes
-            lse = logits.logsumexp(-1)
             y, w_chunk = labels[s:s + chunk, None], w[s:s + chunk]
-            gold = logits.gather(1, y)
-            ce = lse - gold[:, 0]
+            ce, dz, a, *p = (ce_terms(logits, y) if obj is None
+                             else obj.terms(logits, (xt @ weight.t()).float(), y))
             if dpace is not None:
-                w_chunk = dpace_weights((-ce).exp().view(-1, B), w_chunk.view(-1, B) > 0,
-                                        dpace).view(-1)
+                w_chunk = dpace_weights(a.view(-1, B), w_chunk.view(-1, B) > 0, dpace).view(-1)
             loss = loss + (w_chunk * ce.masked_fill(w_chunk == 0, 0.0)).sum()   # no NaN * 0
             pred.append(logits.argmax(-1))
-            tops += [_top(top, raw, gold)] if top is not None else []
+            acc.append(a)
+            tops += [_top(top, raw, logits.gather(1, y), *p)] if top is not None else []
             if ctx.needs_input_grad[0]:
-                p = (logits - lse[:, None]).exp()                       # d CE / d logits: softmax
-                p = p.scatter_add(1, y, torch.full_like(y, -1, dtype=logits.dtype))   # - onehot
-                grads.append((p * w_chunk[:, None]).to(weight.dtype) @ weight)
-        out = (torch.cat(pred), *(torch.cat(t) for t in zip(*tops)))
+                grads.append((dz * w_chunk[:, None]).to(weight.dtype) @ weight)
+        out = (torch.cat(pred), torch.cat(acc), *(torch.cat(t) for t in zip(*tops)))
         ctx.mark_non_differentiable(*out)
         ctx.save_for_backward(torch.cat(grads) if grads else h.new_zeros(0))
         return loss, *out
@@ -180,21 +188,27 @@ class _WeightedCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_loss, *_):
         (dh,) = ctx.saved_tensors
-        return (dh * g_loss).to(dh.dtype), None, None, None, None, None, None, None
+        return (dh * g_loss).to(dh.dtype), *[None] * 9
 
-def _top(top, logits, gold):  # DFlash2's candidates: (top-k logits, then the gold one), their ids
+def _top(top, logits, gold, p=None):
+    # DFlash2's candidates: (top-k logits, then the gold one), their ids (, the target's p there)
     v, i = top(logits)
-    return torch.cat([v, gold], 1), i
+    return (torch.cat([v, gold], 1), i) + (() if p is None else (p.gather(1, i),))
 
-def plain_ce(h, weight, labels, w, B, dpace=None, top=None):
+def plain_ce(h, weight, labels, w, B, dpace=None, top=None, t_h=None, obj=None):
     """_WeightedCE's value as plain autograd over full-vocab logits [rows, vocab] at once: the
     reference, and where to prototype another loss (ce_chunk=0; train.py --plain-loss)."""
     logits = (h @ weight.t()).float()
-    ce = F.cross_entropy(logits, labels, reduction="none")
+    if obj is None:
+        ce = F.cross_entropy(logits, labels, reduction="none")
+        a, p = (-ce.detach()).exp(), ()
+    else:
+        ce, a, p = obj.plain(logits, (t_h @ weight.t()).float(), labels[:, None])
+        p = (p,)
     if dpace is not None:
-        w = dpace_weights((-ce.detach()).exp().view(-1, B), w.view(-1, B) > 0, dpace).view(-1)
-    top = () if top is None else _top(top, x := logits.detach(), x.gather(1, labels[:, None]))
-    return (w * ce.masked_fill(w == 0, 0.0)).sum(), logits.argmax(-1), *top
+        w = dpace_weights(a.view(-1, B), w.view(-1, B) > 0, dpace).view(-1)
+    top = () if top is None else _top(top, x := logits.detach(), x.gather(1, labels[:, None]), *p)
+    return (w * ce.masked_fill(w == 0, 0.0)).sum(), logits.argmax(-1), a, *top
 
 # -----------------------------------------------------------------------------
 # 4) the drafter
@@ -401,13 +415,16 @@ class Drafter(nn.Module):
         return self.norm(h)
 
     def forward(self, feats, tokens, loss_mask, doc, pos, anchors, keep, embed, head, gamma=7.0,
-                flex=None, ce_chunk=1024, dpace=None, selector_alpha=0.1):
+                flex=None, ce_chunk=1024, dpace=None, selector_alpha=0.1, objective=None):
         """Masked training forward over one packed row: feats [S, n_feat*H]; tokens, loss_mask,
         doc, pos [S]; anchors, keep [N] (sample_anchors); embed, head the target's [vocab, H];
         flex None (dense mask + SDPA, CPU) or flex_attention's kernel options (GPU, compiled);
         dpace=alpha: D-PACE's weights, no decay; ce_chunk 0: plain_ce; DFlash2: + selector_alpha x
-        its selector's loss. -> the loss, acceptance and slot sums (device)"""
+        its selector's loss; objective (distill.Objective): against the target's distribution, its
+        final hidden state the last H columns of feats. -> the loss, acceptance and slot sums"""
         c, S, N, B = self.config, tokens.shape[0], anchors.shape[0], self.config.block_size
+        if objective is not None:
+            feats, final = feats[:, :-c.hidden_size], feats[:, -c.hidden_size:]
         k = torch.arange(B, device=tokens.device)
         idx = anchors[:, None] + k                         # [N, B] absolute positions of the block
         inside, idx = idx < S, idx.clamp(max=S - 1)
@@ -430,15 +447,20 @@ class Drafter(nn.Module):
             d = doc[anchors]
             norm = (keep & torch.cat([keep[:1], d[1:] != d[:-1]])).sum().clamp(min=1)
         pick = self.candidate_selector.candidates if c.conv_kernel_size else None   # DFlash2
-        wce, pred, *top = (
-            _WeightedCE.apply(h, head, labels.view(-1), w.view(-1), chunk, B, dpace, pick)
-            if ce_chunk else plain_ce(h, head, labels.view(-1), w.view(-1), B, dpace, pick))
+        # the objective's p at slot k: the target's next-token distribution at anchor + k - 1
+        t_h = None if objective is None else final[(idx - 1).clamp(min=0)].view(N * B, -1)
+        wce, pred, a, *top = (_WeightedCE.apply if ce_chunk else plain_ce)(
+            h, head, labels.view(-1), w.view(-1), *((chunk,) if ce_chunk else ()), B, dpace, pick,
+            t_h, objective)
         correct = (pred.view(N, B) == labels) & supervised
         accepted = 1 + correct[:, 1:].long().cumprod(1).sum(1)  # anchor + leading correct slots
         out = dict(loss=wce / norm, accept_sum=(accepted * keep).sum(),
                    blocks=keep.sum(), slot_correct=correct.sum(0), slot_count=supervised.sum(0))
+        if objective is not None:   # teacher-forced, the expected accepted length at its temperature
+            out["sampled_accept_sum"] = ((1 + (a.view(N, B) * supervised)[:, 1:].cumprod(1).sum(1))
+                                         * keep).sum()
         return out if pick is None else self.candidate_selector.terms(
-            out, h, head, labels, supervised, keep, top, selector_alpha)
+            out, h, head, labels, supervised, keep, top, selector_alpha, objective)
 
     @torch.no_grad()
     def propose(self, ctx_feats, ctx_pos, anchor_token, anchor_pos, embed, head):
@@ -460,9 +482,10 @@ class Drafter(nn.Module):
             return self.candidate_selector.walk(h[None, 1:], block[:1], logits[None])[0][0], logits
         return logits.argmax(-1), logits
 
-    def flops(self, S, N, visible=None):
+    def flops(self, S, N, visible=None, objective=False):
         """Matmul FLOPs of a training step (fwd + bwd) at S context tokens and N anchors; attention
-        from visible, {layer kind: (query, key) pairs its mask lets through} (None: left out)."""
+        from visible, {layer kind: (query, key) pairs its mask lets through} (None: left out);
+        objective: + the target's logits (distill.py)."""
         c, Q = self.config, N * self.config.block_size
         q_o_mlp = c.hidden_size * (2 * c.num_attention_heads * c.head_dim + 3 * c.intermediate_size)
         kv = 2 * c.hidden_size * c.num_key_value_heads * c.head_dim
@@ -472,7 +495,8 @@ class Drafter(nn.Module):
         fc = 2 * S * self.fc.in_features * c.hidden_size               # no input grad: fwd + dW
         head = 2 * Q * c.vocab_size * c.hidden_size
         extra = self.candidate_selector.flops(Q) if c.conv_kernel_size else 0   # DFlash2's
-        return 3 * (fwd + attn) + 2 * fc + 2 * head + extra  # fwd + 2x bwd; frozen head: logits, dh
+        # fwd + 2x bwd; the frozen head: logits, dh (objective: + the target's logits)
+        return 3 * (fwd + attn) + 2 * fc + (3 if objective else 2) * head + extra
 
     # -------------------------------------------------------------------------
     # 5) export in the z-lab format
@@ -598,3 +622,14 @@ def drafter_step(drafter, feats, row, *, anchors_per_doc, row_anchors, flex=None
     with torch.autocast("cuda", torch.bfloat16) if feats.is_cuda else nullcontext():
         return drafter(feats, **{k: row[k] for k in ("tokens", "loss_mask", "doc", "pos")},
                        anchors=anchors, keep=keep, flex=flex, **kw), wanted
+
+def eval_extras(m):
+    """An eval's record fields past loss, accept and slot_acc, with their console text, from the
+    drafters' metric sums m: per supervised slot DFlash2's top-K recall and selector accuracy, per
+    block the other accepted lengths (*accept_sum: DFlash2's walk; the objective's, expected)."""
+    n, blocks = m["slot_count"].sum().clamp(min=1).item(), max(m["blocks"].item(), 1)
+    r = {name: m[k].item() / n for name, k in (("topk_recall", "topk_hit"),
+                                                ("selector_acc", "selector_correct")) if k in m}
+    r.update({k[:-4]: m[k].item() / blocks for k in m if k.endswith("accept_sum")
+              and k != "accept_sum"})
+    return r, "".join(f" | {k.replace('_', ' ')} {v:.3f}" for k, v in r.items())

@@ -12,14 +12,15 @@ this file rewritten against it:
       rms_norm_eps, tie_word_embeddings: what train.py and DrafterConfig.from_target read
   Target.build(config, device, dtype, n_layers, head) (random weights) / .from_pretrained(dir,
       device, dtype, n_layers, head) (ValueError, KeyError, FileNotFoundError): layers
-      [0, n_layers) only; head=False: no final norm and lm_head
+      [0, n_layers) only; head=False: no lm_head, and the final norm only with every layer
   .embed_tokens.weight, .lm_head.weight [vocab, H] (the drafter borrows them)
-  .features(ids [T], cu_seqlens [n+1] on the CPU, layer_ids) -> [T, len(layer_ids) * H]: the
-      outputs of decoder layers layer_ids (HF hidden_states[i+1]), each packed document alone
+  .features(ids [T], cu_seqlens [n+1] on the CPU, layer_ids, final=False) -> [T, len(layer_ids)
+      * H]: the outputs of decoder layers layer_ids (HF hidden_states[i+1]), each packed document
+      alone; final: + the last layer's output final-normed, [T, H] more (train.py --objective)
   .features_and_logits(ids, cu_seqlens, layer_ids, at), .logits(ids, cu_seqlens, at),
       .greedy(prompts, new_tokens, temperature, generator), .flops(cu_seqlens, n_layers):
       generate.py, quality.py, bench.py
-  optional, used on a GPU where present: .graphed_features(layer_ids, log) -> a features(ids,
+  optional, used on a GPU where present: .graphed_features(layer_ids, log, final) -> features(ids,
       cu_seqlens, train) replaying CUDA graphs, or None
 Nothing else of it is imported elsewhere (test_smoke.py checks) but by two Qwen-only commands:
 quality.py (Docs: it trains one) and bench.py (per_expert_linear: the MoE GEMM check's reference).
@@ -526,7 +527,9 @@ class Target(nn.Module):
         self.n_layers = n_layers if n_layers is not None else c.num_hidden_layers
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(TargetLayer(c, kind) for kind in c.layer_types[:self.n_layers])
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, plus_one=True) if head else None
+        # the final norm: with the head, or where every layer is (features' final)
+        self.norm = (RMSNorm(c.hidden_size, c.rms_norm_eps, plus_one=True)
+                     if head or self.n_layers == c.num_hidden_layers else None)
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False) if head else None
         self.requires_grad_(False)
 
@@ -666,11 +669,14 @@ class Target(nn.Module):
         return torch.cat([taps[i] for i in layer_ids], dim=-1) if layer_ids else None, h
 
     @torch.inference_mode()
-    def features(self, ids, cu_seqlens, layer_ids, prepared=None):
+    def features(self, ids, cu_seqlens, layer_ids, prepared=None, final=False):
         """Concatenated outputs of decoder layers `layer_ids` (HF hidden_states[i+1]) ->
-        [T, len * hidden]. Stops computing after the last requested layer."""
-        assert max(layer_ids) < self.n_layers, f"layer {max(layer_ids)} was not built"
-        return self._run(ids, cu_seqlens, layer_ids, max(layer_ids) + 1, prepared)[0]
+        [T, len * hidden]; final: then the last layer's output, final-normed (what the LM head
+        reads) -> [T, (len + 1) * hidden]. Stops computing after the last layer it needs."""
+        stop = self.config.num_hidden_layers if final else max(layer_ids) + 1
+        assert stop <= self.n_layers, f"layer {stop - 1} was not built"
+        feats, h = self._run(ids, cu_seqlens, layer_ids, stop, prepared)
+        return torch.cat([feats, self.norm(h)], -1) if final else feats
 
     def logits(self, ids, cu_seqlens, at=None):
         """Next-token logits [T, vocab], or only at the positions `at` ([len(at), vocab])."""
@@ -707,8 +713,8 @@ class Target(nn.Module):
             seq[:, t + 1] = torch.where(lens > t + 1, seq[:, t + 1], nxt)
         return seq
 
-    def graphed_features(self, layer_ids, log=print):
-        return None if self.config.num_experts else FeatureGraphs(self, layer_ids, log)
+    def graphed_features(self, layer_ids, log=print, final=False):
+        return None if self.config.num_experts else FeatureGraphs(self, layer_ids, log, final)
 
     def flops(self, cu_seqlens, n_layers):
         """Matmul FLOPs of a forward through layers [0, n_layers) over one packed row (for MFU)."""
@@ -732,8 +738,9 @@ class FeatureGraphs:
     captured its second time (fla's autotuner must have tuned), the row's values copied in before a
     replay. Flash attention gets the row length as the longest document: a bigger grid, the same
     result. One shared memory pool: outputs are copied out. Dense targets only (MoE syncs)."""
-    def __init__(self, target, layer_ids, log=print):
-        self.target, self.layer_ids, self.log = target, layer_ids, log
+    def __init__(self, target, layer_ids, log=print, final=False):
+        self.features, self.log = functools.partial(target.features, layer_ids=layer_ids,
+                                                    final=final), log
         self.graphs, self.seen, self.pool, self.train_rows, self.bound = {}, set(), None, 0, None
 
     def __call__(self, ids, cu_seqlens, train=True):
@@ -741,10 +748,10 @@ class FeatureGraphs:
         if not self.bound:
             self.train_rows += train
             if self.train_rows != 2 or self.bound is not None:
-                return self.target.features(ids, cu_seqlens, self.layer_ids)
+                return self.features(ids, cu_seqlens)
             from speedups import launch_bound
-            out, self.bound = launch_bound("target forward", self.target.features, ids,
-                                           cu_seqlens, self.layer_ids, log=self.log)
+            out, self.bound = launch_bound("target forward", self.features, ids, cu_seqlens,
+                                           log=self.log)
             return out
         bounds = cu_seqlens.numpy()
         chunks = _chunk_list(bounds)
@@ -752,14 +759,13 @@ class FeatureGraphs:
         if key not in self.graphs:
             if key not in self.seen:
                 self.seen.add(key)
-                return self.target.features(ids, cu_seqlens, self.layer_ids)
+                return self.features(ids, cu_seqlens)
             # fresh buffers: fla caches what it derives from cu_seqlens by tensor identity
             new = lambda *shape: torch.zeros(*shape, dtype=torch.long, device=dev)
             docs = Docs(new(len(bounds)), None, new(len(chunks), 2), T)
             inputs, graph = (new(T), docs, new(T)), torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                out = self.target.features(inputs[0], None, self.layer_ids,
-                                           prepared=(docs, inputs[2]))
+                out = self.features(inputs[0], None, prepared=(docs, inputs[2]))
             self.pool, self.graphs[key] = graph.pool(), (graph, inputs, out)
         graph, (ids_in, docs, pos), out = self.graphs[key]
         # one upload: boundaries, positions, chunk list

@@ -42,6 +42,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 import data
+import distill
 import generate
 import model
 import prepare
@@ -1044,7 +1045,7 @@ def test_acceptance_proxy_by_hand(hand, monkeypatch):
     def fake(h, head, labels, w, chunk, *rest):
         ok = torch.tensor([[1] + row for row in raw]).view(-1).bool()
         pred = torch.where(ok, labels, (labels + 1) % V)
-        return (h.sum() * 0.0).float(), pred
+        return (h.sum() * 0.0).float(), pred, torch.ones(len(pred))
 
     Spy(monkeypatch, replace=fake)
     out = forward(d, t, r, gamma=GAMMA)
@@ -1092,7 +1093,7 @@ def test_weighted_ce_matches_autograd(chunk):
     w[torch.rand(Q, generator=g) < 0.3] = 0.0             # zero-weight rows
     w[:3] = 0.0
     h = h0.clone().requires_grad_()
-    loss, pred = model._WeightedCE.apply(h, W, y, w, chunk)
+    loss, pred, _ = model._WeightedCE.apply(h, W, y, w, chunk)
     (3.0 * loss).backward()                               # the upstream gradient is honoured
     hr = h0.clone().requires_grad_()
     logits = hr @ W.T
@@ -1104,25 +1105,128 @@ def test_weighted_ce_matches_autograd(chunk):
     assert torch.equal(pred, logits.argmax(-1)) and not pred.requires_grad
 
 
-@pytest.mark.parametrize("dpace", [None, 0.5])
-def test_plain_loss_equals_chunked(drafter_rows, dpace):
+@pytest.mark.parametrize("dpace,objective", [(None, None), (0.5, None), (0.5, "tv"), (None, "dspark"),
+                                             (0.5, "accept")])
+def test_plain_loss_equals_chunked(drafter_rows, dpace, objective):
     """Drafter.forward's reference loss (ce_chunk=0: model.plain_ce, plain autograd over full-vocab logits,
     train.py --plain-loss) == the chunked _WeightedCE it stands for: loss, metrics and every gradient, with
-    the published loss and with D-PACE, on rows with padded slots and masked labels."""
+    the published loss and with D-PACE, CE or an objective against the target's distribution (its final
+    hidden state after the taps), on rows with padded slots and masked labels."""
     t, d, rows = drafter_rows
+    obj = objective and distill.Objective(objective, 0.8)
     for r in rows:
         outs, grads = [], []
+        feats = t.features(r["tokens"], r["cu"], d.config.target_layer_ids, final=True).clone() if obj else None
         for chunk in (0, 7):
             d.zero_grad()
-            out = forward(d, t, r, ce_chunk=chunk, dpace=dpace)
+            out = forward(d, t, r, feats, ce_chunk=chunk, dpace=dpace, objective=obj)
             out["loss"].backward()
             outs.append(out)
             grads.append({n: p.grad.clone() for n, p in d.named_parameters()})
         assert outs[0]["loss"].item() == pytest.approx(outs[1]["loss"].item(), rel=1e-5)
         for k in ("accept_sum", "blocks", "slot_correct", "slot_count"):
             assert torch.equal(outs[0][k], outs[1][k]), k
+        if obj:
+            assert outs[0]["sampled_accept_sum"].item() == pytest.approx(outs[1]["sampled_accept_sum"].item())
         for n in grads[0]:
             assert rel_err(grads[0][n], grads[1][n]) < 1e-4, n
+
+
+# -----------------------------------------------------------------------------
+# objectives against the target's own distribution (distill.py)
+
+OBJECTIVES = ("tv", "accept", "dspark")
+
+
+@pytest.mark.parametrize("kind", OBJECTIVES)
+@pytest.mark.parametrize("T", [1.0, 2.0])
+def test_objectives_by_hand(kind, T):
+    """One block of 3 slots over 3 tokens, W = I so that the logits are h and t_h themselves (times T: the
+    distributions at T are q and p below); slot 0 the anchor (weight 0):
+      slot 1: q = (.5, .3, .2), p = (.2, .5, .3): a = sum min = .7; b = [q < p] = (0, 1, 1), sum q b = .5,
+              da/dz = q (b - .5) / T = (-.25, .15, .1) / T; label 1: CE = -log .3 (at T = 1)
+      slot 2: q = (.6, .3, .1), p = (.7, .22, .08): a = .9; b = (1, 0, 0): da/dz = (.24, -.18, -.06) / T;
+              label 0: CE = -log .6
+    tv = 1 - a, accept = -log(a + eps), dspark = .1 CE + .9 tv (its CE's gradient q - onehot, at T = 1 only);
+    summed with weight 1, and with D-PACE's (alpha .5, from a): smoothed (.85, .95), prefix (.85, .8075),
+    weights (1.6575, .8075). The chunked pass (gradient by hand) and plain_ce (autograd) alike."""
+    if kind == "dspark" and T != 1.0:
+        pytest.skip("dspark's CE is hand-worked at T = 1 only")
+    q = torch.tensor([[.2, .3, .5], [.5, .3, .2], [.6, .3, .1]], dtype=torch.float64)
+    p = torch.tensor([[.3, .3, .4], [.2, .5, .3], [.7, .22, .08]], dtype=torch.float64)
+    y, w, W = torch.tensor([2, 1, 0]), torch.tensor([0.0, 1.0, 1.0], dtype=torch.float64), torch.eye(3).double()
+    a = torch.tensor([.7, .9], dtype=torch.float64)
+    da = torch.tensor([[-.25, .15, .1], [.24, -.18, -.06]], dtype=torch.float64) / T
+    ce, dce = -torch.tensor([.3, .6]).double().log(), q[1:] - F.one_hot(y[1:], 3)
+    value, grad = {"tv": (1 - a, -da), "accept": (-(a + distill.EPS).log(), -da / (a + distill.EPS)[:, None]),
+                   "dspark": (.1 * ce + .9 * (1 - a), .1 * dce - .9 * da)}[kind]
+    obj = distill.Objective(kind, T)
+    for dpace, weights in ((None, torch.ones(2)), (0.5, torch.tensor([1.6575, .8075]))):
+        for chunked in (True, False):
+            h = (T * q.log()).requires_grad_()
+            rest = (3, dpace, None, T * p.log(), obj)
+            loss, pred, acc = (model._WeightedCE.apply(h, W, y, w, 3, *rest) if chunked
+                               else model.plain_ce(h, W, y, w, *rest))
+            loss.backward()
+            assert loss.item() == pytest.approx((weights * value).sum().item(), rel=1e-6), (dpace, chunked)
+            assert rel_err(h.grad[1:], weights[:, None] * grad) < 1e-6 and (h.grad[0] == 0).all()
+            assert torch.allclose(acc[1:].double(), a) and pred.tolist() == [2, 0, 0]
+
+
+@pytest.mark.parametrize("kind", OBJECTIVES)
+@pytest.mark.parametrize("chunk,dpace,T", [(5, None, 1.0), (8, 0.5, 0.6), (1024, 0.5, 1.0), (1, None, 2.0)])
+def test_objectives_match_autograd(kind, chunk, dpace, T):
+    """_WeightedCE with an objective (distill.Objective.terms: the gradient by hand, chunk by chunk, the target's
+    logits made in the same chunks) == plain_ce (autograd through torch.minimum over the full logits) on random
+    rows, zero-weight rows among them: the loss, the acceptances, the gradient wrt h (1e-5)."""
+    g = torch.Generator().manual_seed(chunk)
+    Q, H, V, B = 40, 16, 50, 4
+    h0, W, th = torch.randn(Q, H, generator=g) * 2, torch.randn(V, H, generator=g), torch.randn(Q, H, generator=g)
+    y, w = torch.randint(0, V, (Q,), generator=g), torch.rand(Q, generator=g)
+    w[torch.rand(Q, generator=g) < 0.3] = 0.0
+    w = (w > 0).float() if dpace is not None else w                # D-PACE: w is the 0/1 supervision
+    obj, outs = distill.Objective(kind, T), []
+    for chunked in (True, False):
+        h = h0.clone().requires_grad_()
+        rest = (B, dpace, None, th, obj)
+        loss, pred, acc = (model._WeightedCE.apply(h, W, y, w, chunk, *rest) if chunked
+                           else model.plain_ce(h, W, y, w, *rest))
+        (3.0 * loss).backward()
+        outs.append((loss, pred, acc, h.grad))
+    (loss, pred, acc, grad), (ref, pred_r, acc_r, grad_r) = outs
+    assert abs(loss.item() - ref.item()) <= 1e-5 * abs(ref.item())
+    assert rel_err(grad, grad_r) < 1e-5 and (grad[w == 0] == 0).all() and grad.abs().sum() > 0
+    assert rel_err(acc, acc_r) < 1e-6 and torch.equal(pred, pred_r)
+
+
+def test_objective_reads_the_targets_next_token_distribution(drafter_rows, monkeypatch):
+    """The objective's p at block slot k is the target's distribution after position anchor + k - 1 (its next
+    token the label at anchor + k): Drafter.forward's sampled_accept_sum == per block 1 + sum_k prod_{i <= k}
+    sum_x min(p_i, q_i) over the leading supervised slots, p from the target's own full forward
+    (Target.logits), q from the drafter's final hidden states (seen by Spy) and the head, at T = 0.7."""
+    t, d, rows = drafter_rows
+    obj, T = distill.Objective("tv", 0.7), 0.7
+    for r in rows:
+        feats = t.features(r["tokens"], r["cu"], d.config.target_layer_ids, final=True)
+        spy = Spy(monkeypatch)
+        with torch.no_grad():
+            out = forward(d, t, r, feats, objective=obj)
+        monkeypatch.undo()
+        (h, _, _), = spy.calls
+        B, S = d.config.block_size, r["S"]
+        q = (h @ t.lm_head.weight.T / T).softmax(-1).view(len(r["anchors"]), B, -1)
+        p = (t.logits(r["tokens"], r["cu"]) / T).softmax(-1)        # [S, V]: after each position
+        want = 0.0
+        for j, (a, kept) in enumerate(zip(r["anchors"].tolist(), r["keep"].tolist())):
+            run, total = 1.0, 1.0
+            for k in range(1, B):
+                x = a + k
+                if not kept or x >= S or r["doc"][x] != r["doc"][a] or not r["loss_mask"][x]:
+                    break
+                run *= torch.minimum(p[x - 1], q[j, k]).sum().item()
+                total += run
+            want += total if kept else 0.0
+        assert out["sampled_accept_sum"].item() == pytest.approx(want, rel=1e-5)
 
 
 def test_drafter_flops_count_every_matmul(drafter_rows):
@@ -1136,40 +1240,69 @@ def test_drafter_flops_count_every_matmul(drafter_rows):
     assert fc.get_flop_counts()["Global"][torch.ops.aten.mm] == d.flops(r["S"], len(r["anchors"]))
 
 
+def rss_peak():
+    """GiB: this process's peak resident memory since the last reset_rss_peak()."""
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith("VmHWM")).split()[1]) / 2**20
+
+
+def reset_rss_peak():
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def big_vocab_step(N, objective=None):
+    """A 1-layer drafter's whole step (model.drafter_step) on a 1024-token row with N anchors, V = 131072, as
+    (eager, CPU-compiled) functions of nothing -> the loss; one chunk of logits is 1024 x V fp32, 0.5 GiB."""
+    torch.manual_seed(0)
+    V, S = 131072, 1024
+    tcfg = dataclasses.replace(TargetConfig.preset("tiny"), vocab_size=V)
+    t = Target.build(tcfg, device="cpu", dtype=torch.float32, n_layers=0)
+    d = Drafter(DrafterConfig.from_target(tcfg, num_hidden_layers=1))
+    feats = torch.randn(S, (len(d.config.target_layer_ids) + bool(objective)) * tcfg.hidden_size)
+    row = dict(tokens=torch.randint(0, V, (S,)), loss_mask=torch.ones(S, dtype=torch.long),
+               doc=torch.zeros(S, dtype=torch.long), pos=torch.arange(S))
+    eager = functools.partial(model.drafter_step, d, anchors_per_doc=N, row_anchors=N, embed=t.embed_tokens.weight,
+                              head=t.lm_head.weight, objective=objective)
+
+    def step(fn):
+        torch.manual_seed(1)                      # the same anchors (train.py: inductor's fallback_random)
+        with torch._inductor.config.patch(fallback_random=True):
+            out, _ = fn(feats, row)
+        out["loss"].backward()
+        return out["loss"].item()
+    return (functools.partial(step, fn) for fn in (eager, torch.compile(eager, fullgraph=True, dynamic=False)))
+
+
 def test_compiled_step_holds_one_chunk_of_logits():
     """train.py's compiled drafter step (inductor, here on the CPU) peaks where the eager step does:
     _WeightedCE's chunks run one after another. Without its chunk-to-chunk dependency
     the compiler fuses them and holds every chunk's logits at once (here +2.0 GiB over eager; +0.4 with it)."""
-    def rss_peak():                                   # GiB; VmHWM, reset by clear_refs 5
-        with open("/proc/self/status") as f:
-            return int(next(line for line in f if line.startswith("VmHWM")).split()[1]) / 2**20
-    torch.manual_seed(0)
-    V, S, N = 131072, 1024, 256                       # 4 chunks of 1024 rows x V logits
-    tcfg = dataclasses.replace(TargetConfig.preset("tiny"), vocab_size=V)
-    t = Target.build(tcfg, device="cpu", dtype=torch.float32, n_layers=0)
-    d = Drafter(DrafterConfig.from_target(tcfg, num_hidden_layers=1))
-    feats = torch.randn(S, len(d.config.target_layer_ids) * tcfg.hidden_size)
-    row = dict(tokens=torch.randint(0, V, (S,)), loss_mask=torch.ones(S, dtype=torch.long),
-               doc=torch.zeros(S, dtype=torch.long), pos=torch.arange(S))
     peaks, losses = {}, {}
-    eager = functools.partial(model.drafter_step, d, anchors_per_doc=N, row_anchors=N, embed=t.embed_tokens.weight,
-                              head=t.lm_head.weight)
-    for name, fn in (("eager", eager), ("compiled", torch.compile(eager, fullgraph=True, dynamic=False))):
-        def step():
-            torch.manual_seed(1)                      # the same anchors (train.py: inductor's fallback_random)
-            with torch._inductor.config.patch(fallback_random=True):
-                out, _ = fn(feats, row)
-            out["loss"].backward()
-            return out["loss"].item()
+    for name, step in zip(("eager", "compiled"), big_vocab_step(256)):   # 4 chunks
         step()                                        # compiles
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
+        reset_rss_peak()
         before = rss_peak()
         losses[name] = step()
         peaks[name] = rss_peak() - before
-    chunk = 1024 * V * 4 / 2**30                      # one chunk's fp32 logits, GiB
+    chunk = 1024 * 131072 * 4 / 2**30                 # one chunk's fp32 logits, GiB
     assert abs(losses["compiled"] - losses["eager"]) <= 1e-5 * losses["eager"]
     assert peaks["compiled"] <= peaks["eager"] + 2 * chunk, (peaks, chunk)
+
+
+def test_objective_step_holds_no_rows_by_vocab_tensor():
+    """With an objective (distill.py) the compiled step makes the target's logits chunk by chunk too: its peak
+    does not grow with the rows (128 -> 256 anchors, 2048 -> 4096 rows: a [rows, V] fp32 tensor would add
+    1 GiB; here +0.06 GiB; the target's logits made in one GEMM before the chunks: +1.06)."""
+    peaks = {}
+    for N in (128, 256):
+        _, compiled = big_vocab_step(N, distill.Objective("tv"))
+        loss = compiled()                             # compiles
+        reset_rss_peak()
+        before = rss_peak()
+        assert compiled() == pytest.approx(loss, rel=1e-6)
+        peaks[N] = rss_peak() - before
+    assert peaks[256] - peaks[128] < 0.25, peaks
 
 
 # -----------------------------------------------------------------------------
@@ -2799,6 +2932,10 @@ def test_features_and_logits_is_features_plus_logits():
     feats, logits = t.features_and_logits(ids, cu, [1, 3, 5], at=at)
     assert torch.equal(feats, t.features(ids, cu, [1, 3, 5]))
     assert torch.equal(logits, t.logits(ids, cu, at=at))
+    # final=True (train.py --objective): the taps, then the final hidden state the LM head reads
+    both = t.features(ids, cu, [1, 3, 5], final=True)
+    assert torch.equal(both[:, :3 * 64], feats)
+    assert rel_err(t.lm_head(both[at, 3 * 64:]), logits) < 1e-6
 
 
 def test_prompts_are_the_unsupervised_prefix(gen):
@@ -4009,6 +4146,17 @@ def test_dflash2_selector_loss_by_hand():
     assert out["selector_loss"].item() == pytest.approx((ce1 + ce2) / 2, rel=1e-6)
     assert out["loss"].item() == pytest.approx(1 + 0.5 * (ce1 + ce2) / 2, rel=1e-6)
     assert (out["topk_hit"], out["selector_correct"], out["walk_accept_sum"]) == (1, 1, 2)
+    # an objective (distill.py): on the walk's q over the strict top-2, as served, p the target's at the ids:
+    #   slot 1: q = softmax(2.5, 0) = (1 - e1, e1), p (.5, .3): a1 = .5 + e1; slot 2: q = softmax(3.5, -1.5),
+    #   p (.1, .6): a2 = .1 + e2; tv = 1 - a; dspark .1 CE + .9 tv; the walk's expected accepted 1 + a1 + a1 a2
+    e1, e2 = 1 / (1 + math.exp(2.5)), 1 / (1 + math.exp(5.0))
+    a1, a2 = .5 + e1, .1 + e2
+    p_at = torch.tensor([[.4, .4], [.5, .3], [.1, .6]])
+    for kind, want in (("tv", (2 - a1 - a2) / 2), ("dspark", .1 * (ce1 + ce2) / 2 + .9 * (2 - a1 - a2) / 2)):
+        o = sel.terms(dict(loss=torch.tensor(1.0)), h, head, labels, supervised, torch.tensor([True]),
+                      (vals, cand, p_at), 0.5, distill.Objective(kind))
+        assert o["selector_loss"].item() == pytest.approx(want, rel=1e-6), kind
+        assert o["walk_sampled_accept_sum"].item() == pytest.approx(1 + a1 + a1 * a2, rel=1e-6)
     out["loss"].backward()
     assert h.grad[0].abs().sum() == 0 and h.grad[1:].abs().sum() > 0     # the anchor's slot: no loss
     # _Unary's gradient into h == plain autograd through the full logits h @ head^T at the ids
@@ -4115,17 +4263,20 @@ def test_dflash2_speculative_sampling_keeps_the_target_distribution():
         assert stat < quantile, (k, stat, dof)
 
 
-def test_dflash2_compiled_step_equals_eager():
+@pytest.mark.parametrize("objective", [None, "dspark"])
+def test_dflash2_compiled_step_equals_eager(objective):
     """train.py's whole drafter step (model.drafter_step) for a DFlash2 drafter compiles with fullgraph=True on
-    the CPU (no graph break, no data-dependent branch) and gives the eager step's loss, metrics, gradients."""
+    the CPU (no graph break, no data-dependent branch) and gives the eager step's loss, metrics, gradients;
+    with CE and with an objective against the target's distribution (distill.py: the Objective's code inlined)."""
     t = tiny_target()
     d = randomize_drafter_(Drafter(dflash2_config()), 2)
     S, g = 160, torch.Generator().manual_seed(4)
-    feats = torch.randn(S, 3 * 64, generator=g)
+    feats = torch.randn(S, (3 + bool(objective)) * 64, generator=g)
     row = dict(tokens=torch.randint(0, 512, (S,), generator=g), loss_mask=torch.ones(S, dtype=torch.long),
                doc=(torch.arange(S) >= 90).long(), pos=torch.arange(S) % 90)
     eager = functools.partial(model.drafter_step, d, anchors_per_doc=8, row_anchors=16, embed=t.embed_tokens.weight,
-                              head=t.lm_head.weight, selector_alpha=0.3)
+                              head=t.lm_head.weight, selector_alpha=0.3,
+                              objective=objective and distill.Objective(objective, 0.6))
     outs, grads = [], []
     for fn in (eager, torch.compile(eager, fullgraph=True, dynamic=False)):
         torch.manual_seed(1)
@@ -4137,6 +4288,7 @@ def test_dflash2_compiled_step_equals_eager():
         d.zero_grad(set_to_none=True)
     for k in ("accept_sum", "topk_hit", "selector_correct", "walk_accept_sum"):
         assert torch.equal(outs[0][k], outs[1][k]), k
-    assert rel_err(outs[1]["loss"], outs[0]["loss"]) < 1e-5
+    for k in ["loss"] + ["sampled_accept_sum", "walk_sampled_accept_sum"] * bool(objective):
+        assert rel_err(outs[1][k], outs[0][k]) < 1e-5, k
     for k in grads[0]:
         assert rel_err(grads[1][k], grads[0][k]) < 1e-4, k

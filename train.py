@@ -26,7 +26,7 @@ import checks
 import checkpoint
 from data import ArgParser, DataError, Packer, make_demo, number, open_dataset, package
 from model import Drafter, DrafterConfig, drafter_step, flex_kernel_options
-from model import sample_anchors
+from model import eval_extras, sample_anchors
 from layers import upload
 from target import Target, TargetConfig
 t_launch = time.perf_counter()      # the log's elapsed time counts from here
@@ -61,6 +61,11 @@ arg("--loss", choices=("dpace", "dflash"), default="dpace", help="dpace: D-PACE 
     "2605.18810); dflash: the published loss (DFlash's decayed CE)")
 arg("--dpace-alpha", type=number(float, 0, hi=1), help="D-PACE smoothing alpha (0.5)")
 arg("--selector-alpha", type=number(float, 0), default=0.1, help="dflash2: selector CE's weight")
+arg("--objective", choices=("ce", "tv", "accept", "dspark"), default="ce", help="per slot: ce the "
+    "label's cross-entropy; against the target's distribution (distill.py): tv 1 - acceptance, "
+    "accept -log acceptance, dspark 0.1 ce + 0.9 tv")
+arg("--objective-temperature", type=number(float, 0, above=True), help="tv/accept/dspark: of "
+    "both distributions (1)")
 arg("--lr", type=number(float, 0, above=True), default=6e-4, help="peak AdamW learning rate")
 arg("--warmup", type=number(float, 0, hi=1), default=0.04, help="warmup share of the steps")
 arg("--schedule", choices=("cosine", "wsd"), default="cosine", help="after warmup: cosine to 0, "
@@ -91,9 +96,15 @@ if args.epochs and args.max_steps:       # a flag a combination would ignore is 
 if args.dpace_alpha is not None and args.loss != "dpace":
     parser.error("--dpace-alpha: for --loss dpace only")
 args.dpace_alpha = 0.5 if args.dpace_alpha is None else args.dpace_alpha
+if args.objective_temperature is not None and args.objective == "ce":
+    parser.error("--objective-temperature: for --objective tv, accept or dspark only")
 if args.resume:
     checkpoint.run_flags(parser, args)
 args.epochs = args.epochs or 6
+final = args.objective != "ce"    # the target's final hidden state rides with the taps
+if final:                         # distill.py: imported only when its flag is on
+    import distill
+    args.objective_temperature = args.objective_temperature or 1.0
 rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 rank_cache, cache_dirs = checks.rank_caches(args.cache_dir, rank, args.fresh_cache)  # not shared
 checks.explain_stops(rank, args.out, cache_dirs)
@@ -194,8 +205,8 @@ checks.start(args, data_dir, train_ds, demand, lost, tcfg, dcfg)
 # models: target ranks load the layers up to the last tapped one, drafters embed_tokens + lm_head
 
 tdtype = torch.bfloat16 if cuda else torch.float32
-kw = dict(device=device, dtype=tdtype, n_layers=max(taps) + 1 if runs_target else 0,
-          head=runs_drafter)
+kw = dict(device=device, dtype=tdtype, head=runs_drafter, n_layers=(
+    tcfg.num_hidden_layers if final else max(taps) + 1) if runs_target else 0)
 try:
     target = Target.build(tcfg, **kw) if preset else Target.from_pretrained(args.target, **kw)
 except (ValueError, KeyError, FileNotFoundError) as e:   # missing, misshapen, mis-scaled tensors
@@ -222,7 +233,8 @@ if runs_drafter:
         embed=target.embed_tokens.weight, head=target.lm_head.weight, gamma=args.gamma,
         flex=flex_kernel_options(device) if cuda else None, ce_chunk=0 if args.plain_loss else 1024,
         dpace=args.dpace_alpha if args.loss == "dpace" else None,
-        selector_alpha=args.selector_alpha)
+        selector_alpha=args.selector_alpha, objective=distill.Objective(
+            args.objective, args.objective_temperature) if final else None)
     if not args.no_compile:
         # a recompile after warm-up, or a hit recompile limit, would silently run flex_attention's
         # dense backward: both are errors instead (and, on GPU, flex run eagerly)
@@ -269,7 +281,9 @@ for i in infos:
     print0(f"  rank {i['rank']}: {i['role']:<14} pair {i['pair']} on {i['device']} | "
            f"caches {' '.join(i['caches'])}")
 print0(f"target: {args.target} ({tcfg.num_hidden_layers} layers, hidden {tcfg.hidden_size}, "
-       f"vocab {tcfg.vocab_size}), taps {taps}, layers 0..{max(taps)} loaded")
+       f"vocab {tcfg.vocab_size}), taps {taps}, layers 0.."
+       + (f"{tcfg.num_hidden_layers - 1} and the final norm loaded (--objective)" if final
+          else f"{max(taps)} loaded"))
 n_params = sum(p.numel() for p in drafter.parameters()) if runs_drafter else 0
 kinds = [f"{dcfg.layer_types.count(k)} x {k}" + (f" (window {w})" if w else "")
          for k, w in dcfg.windows().items()]
@@ -401,8 +415,8 @@ def update(feats, packed, lr):
 
 # The pair protocol. Per "train" and "eval" item of the schedule the target sends its drafter one
 # row in one batched P2P op (NCCL serializes unbatched sends with every other op on the group):
-#   features  [budget, len(taps) * hidden] in the target's dtype (bf16; fp32 on CPU): the taps'
-#             outputs
+#   features  [budget, (len(taps) + final) * hidden] in the target's dtype (bf16; fp32 on CPU):
+#             the taps' outputs (final: then the last layer's, final-normed)
 #   fields    [5, budget] int64: data.Row.packed
 # The target runs ahead: it queues a row's forward once its GPU is done with the previous row,
 # posts the send without waiting, then waits for the send of two rows before: at most two rows in
@@ -411,9 +425,9 @@ def update(feats, packed, lr):
 # one process plays both sides and nothing travels.
 
 # a launch-bound target forward is replayed from CUDA graphs, where the target offers it
-features = lambda ids, cu, train: target.features(ids, cu, taps)
+features = lambda ids, cu, train: target.features(ids, cu, taps, final=final)
 if graphs_wanted and runs_target and hasattr(target, "graphed_features"):
-    features = target.graphed_features(taps, print0) or features
+    features = target.graphed_features(taps, print0, final) or features
 
 def target_row(kind, r):
     # the next row of `kind` (eval: held-out row r): its fields in one upload, then its features
@@ -461,7 +475,7 @@ if role == "target":
 # drafter ranks (and world size 1): receive rows, train
 
 if world > 1:   # the receive buffers: features, fields
-    bufs = (torch.empty(budget, len(taps) * tcfg.hidden_size, dtype=tdtype, device=device),
+    bufs = (torch.empty(budget, (len(taps) + final) * tcfg.hidden_size, dtype=tdtype, device=device),
             torch.empty(5, budget, dtype=torch.int64, device=device))
 
 def next_row(kind, r):
@@ -539,7 +553,7 @@ for step, kind, r in schedule(start_step):
         if r == len(eval_rows) - 1:
             m = reduce(eval_sums)
             slot_acc = (m["slot_correct"] / m["slot_count"].clamp(min=1)).tolist()[1:]  # 0: anchor
-            extra, more = drafter.candidate_selector.metrics(m) if "topk_hit" in m else ({}, "")
+            extra, more = eval_extras(m)
             rec = dict(kind="eval", step=step, loss=m["loss"].item() / (len(eval_rows) * n_pairs),
                        accept=m["accept_sum"].item() / max(m["blocks"].item(), 1),
                        slot_acc=slot_acc, **extra)
