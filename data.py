@@ -310,8 +310,8 @@ class Packer:
 
 def make_demo(out_dir, samples=384, val_samples=32, new_tokens=48, seed=0, log=print):
     """Random prompts of 8-24 tokens (`seed`) continued greedily for new_tokens by target.py's
-    `tiny` target (train.py's own), loss mask on the continuation: the target's own output, as
-    DFlash trains, so the acceptance proxy is real acceptance against it. Reused if already made."""
+    `tiny` preset (every target has one), loss mask on the continuation: the target's own output,
+    as DFlash trains, so the acceptance proxy is real acceptance against it. Reused if made."""
     want = dict(demo="tiny", samples=samples, val_samples=val_samples, new_tokens=new_tokens,
                 seed=seed)
     os.makedirs(os.path.dirname(os.path.abspath(out_dir)), exist_ok=True)

@@ -5,11 +5,13 @@ on CPU, so every test runs without a GPU. The reference is transformers'
 models/qwen3_5/modeling_qwen3_5.py (test_smoke.py compares against it).
 
 The Target interface: what the rest of the trainer calls, so another target (a Llama, say) is
-this file rewritten against it:
+this file rewritten against it, and train.py, generate.py, bench.py and the demo data run on it:
   TargetConfig.preset(name) / .from_hf(dir)   ValueError (OSError) naming the field or file; a
       dataclass (vars() goes into checkpoints) with vocab_size, hidden_size, num_hidden_layers,
       intermediate_size, num_experts (0: dense), rope_theta, max_position_embeddings,
-      rms_norm_eps, tie_word_embeddings: what train.py and DrafterConfig.from_target read
+      rms_norm_eps, tie_word_embeddings: what train.py and DrafterConfig.from_target read;
+      preset("tiny"): a few layers small enough for the CPU, the commands' default target and
+      the demo data's (data.make_demo)
   Target.build(config, device, dtype, n_layers, head) (random weights) / .from_pretrained(dir,
       device, dtype, n_layers, head) (ValueError, KeyError, FileNotFoundError): layers
       [0, n_layers) only; head=False: no lm_head, and the final norm only with every layer
@@ -17,13 +19,16 @@ this file rewritten against it:
   .features(ids [T], cu_seqlens [n+1] on the CPU, layer_ids, final=False) -> [T, len(layer_ids)
       * H]: the outputs of decoder layers layer_ids (HF hidden_states[i+1]), each packed document
       alone; final: + the last layer's output final-normed, [T, H] more (train.py --objective)
-  .features_and_logits(ids, cu_seqlens, layer_ids, at), .logits(ids, cu_seqlens, at),
-      .greedy(prompts, new_tokens, temperature, generator), .flops(cu_seqlens, n_layers):
-      generate.py, quality.py, bench.py
+  .greedy(prompts, new_tokens) -> [n, longest prompt + new_tokens]: the demo data, generate.py
+  .features_and_logits(ids, cu_seqlens, layer_ids, at), .logits(ids, cu_seqlens, at) -> fp32
+      [T or len(at), vocab] next-token logits: generate.py
+  .flops(cu_seqlens, n_layers): matmul FLOPs of the forward, bench.py's MFU
   optional, used on a GPU where present: .graphed_features(layer_ids, log, final) -> features(ids,
       cu_seqlens, train) replaying CUDA graphs, or None
-Nothing else of it is imported elsewhere (test_smoke.py checks) but by two Qwen-only commands:
-quality.py (Docs: it trains one) and bench.py (per_expert_linear: the MoE GEMM check's reference).
+Nothing else of it is imported elsewhere (test_smoke.py checks) but by quality.py (Docs: it is
+Qwen-only, trains a Qwen3.5 target and samples it with greedy's temperature and generator) and
+bench.py (per_expert_linear: the MoE GEMM check's reference; where this file lacks it, `bench.py
+check` skips that check, fla's and the CUDA graphs', in one line saying so).
 Its layers are layers.py's, shared with the drafter; testdata/llama_target.py is a second target.
 """
 import functools

@@ -33,10 +33,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def fork_trainer(path, target=os.path.join(HERE, "target.py")):
-    """The trainer's files copied into path (a forker's checkout), target.py from `target`."""
+    """The trainer's files (every .py but the tests) copied into path (a forker's checkout), target.py
+    from `target`."""
     path.mkdir()
-    for f in ("train.py", "model.py", "dflash2.py", "data.py", "checks.py", "checkpoint.py", "layers.py"):
-        shutil.copy(os.path.join(HERE, f), path / f)
+    for f in os.listdir(HERE):
+        if f.endswith(".py") and not f.startswith("test_"):
+            shutil.copy(os.path.join(HERE, f), path / f)
     shutil.copy(target, path / "target.py")
     return path
 
@@ -202,8 +204,8 @@ def test_pair_trains_what_one_process_trains(tmp_path):
 
 def test_target_interface(tmp_path):
     """A plain Llama-style target (testdata/llama_target.py, written only against the Target interface at the top of
-    target.py) equals transformers' LlamaForCausalLM layer by layer, and trains: one process and one pair
-    over gloo give the same curve."""
+    target.py) equals transformers' LlamaForCausalLM layer by layer, in its logits and its greedy decode, and
+    trains on the demo its own tiny preset makes: one process and one pair over gloo give the same curve."""
     from transformers import LlamaConfig, LlamaForCausalLM
     fork = fork_trainer(tmp_path / "fork", os.path.join(HERE, "testdata", "llama_target.py"))  # no Qwen file
     torch.manual_seed(0)
@@ -213,19 +215,26 @@ def test_target_interface(tmp_path):
     hf.save_pretrained(tmp_path / "llama")
     code = ("import sys, torch; sys.path.insert(0, sys.argv[1]); from target import Target; "
             "t = Target.from_pretrained(sys.argv[2], dtype=torch.float32); ids = torch.load(sys.argv[3]); "
-            "torch.save(t.features(ids, torch.tensor([0, 20, 50]), [0, 2, 4]), sys.argv[4])")
+            "cu = torch.tensor([0, 20, 50]); torch.save((t.features(ids, cu, [0, 2, 4]), t.logits(ids, cu), "
+            "t.greedy([ids[:20], ids[20:]], 8)), sys.argv[4])")
     ids = torch.randint(0, 512, (50,))
     torch.save(ids, tmp_path / "ids.pt")
     subprocess.run([sys.executable, "-c", code, fork, tmp_path / "llama", tmp_path / "ids.pt",
                     tmp_path / "feats.pt"], check=True)
-    ours = torch.load(tmp_path / "feats.pt").view(50, 3, 64)
-    with torch.no_grad():      # each packed document on its own
-        for s, e in ((0, 20), (20, 50)):
-            states = hf(ids[None, s:e], output_hidden_states=True).hidden_states
+    ours, logits, seqs = torch.load(tmp_path / "feats.pt")
+    with torch.no_grad():      # each packed document on its own; greedy: each prompt decoded alone
+        for row, (s, e) in enumerate(((0, 20), (20, 50))):
+            out = hf(ids[None, s:e], output_hidden_states=True)
             for j, layer in enumerate((0, 2, 4)):
-                torch.testing.assert_close(ours[s:e, j], states[layer + 1][0], rtol=1e-4, atol=1e-5)
-    flags = ["--target", tmp_path / "llama", "--data", demo_data(), "--max-steps", 6, "--log-interval", 1,
-             "--eval-interval", 3]
+                torch.testing.assert_close(ours.view(50, 3, 64)[s:e, j], out.hidden_states[layer + 1][0],
+                                           rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(logits[s:e], out.logits[0], rtol=1e-4, atol=1e-5)
+            seq = ids[s:e]
+            for _ in range(8):
+                seq = torch.cat([seq, hf(seq[None]).logits[0, -1:].argmax(-1)])
+            assert torch.equal(seqs[row, :e - s + 8], seq)
+    # no --data: the fork's own demo, which its target.py's tiny preset makes
+    flags = ["--target", tmp_path / "llama", "--max-steps", 6, "--log-interval", 1, "--eval-interval", 3]
     for name, kw in (("one", {}), ("pair", dict(nproc=2, port=29561))):
         script = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
                   "--master_addr=127.0.0.1", "--master_port=29561"] if kw else [sys.executable]
@@ -234,6 +243,28 @@ def test_target_interface(tmp_path):
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         assert "target: " + str(tmp_path / "llama") + " (6 layers, hidden 64, vocab 512)" in r.stdout
     assert curve(tmp_path / "one") == curve(tmp_path / "pair") and len(curve(tmp_path / "one")) == 9
+
+
+def test_fork_runs_every_command(tmp_path):
+    """With testdata/llama_target.py as target.py (no Qwen file), every command runs on the Target interface
+    alone: the product modules import (quality.py trains a Qwen3.5 target itself: Qwen-only); train.py with no
+    --data trains on a demo its own tiny preset made; bench.py says in one line that it needs a GPU; generate.py
+    decodes the export with speculative == greedy."""
+    fork = fork_trainer(tmp_path / "fork", os.path.join(HERE, "testdata", "llama_target.py"))
+    run = lambda *cmd: subprocess.run([sys.executable, *map(str, cmd)], cwd=fork, env=clean_env(),
+                                      capture_output=True, text=True, timeout=900)
+    r = run("-c", "import checkpoint, checks, data, dflash2, generate, layers, model, plot, prepare, regenerate, "
+                  "speedups")
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = run("train.py", "--out", tmp_path / "out", "--max-steps", 3, "--eval-interval", 1000)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert f"demo: wrote {fork / 'data' / 'demo'}/train: 384 samples" in r.stdout
+    r = run("bench.py", "drafter")
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert r.stdout == "" and r.stderr == "error: bench.py needs a CUDA GPU (it checks and times GPU kernels)\n", r.stderr
+    r = run("generate.py", "--drafter", tmp_path / "out" / "drafter", "--num-prompts", 2, "--max-new-tokens", 16)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "speculative == greedy on 2/2 prompts" in r.stdout, r.stdout[-3000:]
 
 
 # ==================================================================================================

@@ -1,8 +1,9 @@
 """
 A plain dense Llama-style target written only against the Target interface at the top of
-target.py: a fork copies it over target.py (test_train.py: test_target_interface; on a GPU, the
-run in RESULTS.md). Its layers are the shared building blocks of layers.py, nothing of the Qwen
-target. transformers' LlamaForCausalLM is its reference.
+target.py: a fork copies it over target.py and every command but quality.py runs on it
+(test_train.py: test_target_interface, test_fork_runs_every_command; on a GPU, the run in
+RESULTS.md). Its layers are the shared building blocks of layers.py, nothing of the Qwen target.
+transformers' LlamaForCausalLM is its reference.
 """
 import json
 import os
@@ -31,9 +32,9 @@ class TargetConfig:
     num_experts: int = 0
 
     @classmethod
-    def preset(cls, name):
-        if name != "llama-tiny":
-            raise ValueError(f"unknown target preset {name!r}")
+    def preset(cls, name):   # the defaults: the tiny CPU target (train.py's default, the demo's)
+        if name != "tiny":
+            raise ValueError(f"unknown target preset {name!r}; choose tiny or a checkpoint dir")
         return cls()
 
     @classmethod
@@ -57,13 +58,18 @@ class Layer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def forward(self, h, rope, mask):
+    def forward(self, h, rope, mask, cache=None):
+        # h [T, H]: a packed row, mask [T, T]; or a decoding step (greedy): one token of each of T
+        # sequences, mask None, its keys and values appended to `cache`, the sequence's past
         T, a, x = h.shape[0], self.self_attn, self.input_layernorm(h)
         q, k, v = (p(x).view(T, -1, self.c.head_dim) for p in (a.q_proj, a.k_proj, a.v_proj))
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        o = F.scaled_dot_product_attention(*(t.transpose(0, 1) for t in (q, k, v)),
+        if cache is not None:     # sequences as the batch: q [T, 1, heads, d], k, v [T, t, ...]
+            cache.append((k, v))
+            q, k, v = q[:, None], *(torch.stack(kv, 1) for kv in zip(*cache))
+        o = F.scaled_dot_product_attention(*(t.transpose(-3, -2) for t in (q, k, v)),
                                            attn_mask=mask, enable_gqa=True)
-        h = h + a.o_proj(o.transpose(0, 1).reshape(T, -1))
+        h = h + a.o_proj(o.transpose(-3, -2).reshape(T, -1))
         return h + self.mlp(self.post_attention_layernorm(h))
 
 class Target(nn.Module):
@@ -73,7 +79,7 @@ class Target(nn.Module):
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         n = c.num_hidden_layers if n_layers is None else n_layers
         self.layers = nn.ModuleList([Layer(c) for _ in range(n)])
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps) if head else None
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps) if head or n == c.num_hidden_layers else None
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False) if head else None
         self.requires_grad_(False)
 
@@ -94,15 +100,56 @@ class Target(nn.Module):
         model.load_state_dict({k: state[k] for k in model.state_dict()})
         return model.to(device, dtype)
 
-    @torch.inference_mode()
-    def features(self, ids, cu_seqlens, layer_ids):
-        c, h = self.config, self.embed_tokens(ids)
-        pos = upload(positions_from_cu(cu_seqlens), h.device)
-        doc = torch.repeat_interleave(torch.arange(len(cu_seqlens) - 1), cu_seqlens.diff())
-        doc = doc.to(h.device)
-        mask = (doc[:, None] == doc[None, :]) & (pos[:, None] >= pos[None, :])   # per document
+    def _run(self, ids, cu_seqlens, layer_ids, stop, pos=None, caches=None):
+        # layers [0, stop) -> (layer_ids' outputs concatenated or None, the last layer's): over
+        # packed documents (cu_seqlens on the CPU), or a decoding step at positions pos with caches
+        c, h, taps, mask = self.config, self.embed_tokens(ids), {}, None
+        if caches is None:
+            pos = upload(positions_from_cu(cu_seqlens), h.device)
+            doc = torch.repeat_interleave(torch.arange(len(cu_seqlens) - 1), cu_seqlens.diff())
+            doc = doc.to(h.device)
+            mask = (doc[:, None] == doc[None, :]) & (pos[:, None] >= pos[None, :])  # per document
         rope = rope_cos_sin(pos, c.head_dim, c.rope_theta, None, c.max_position_embeddings)
-        taps = {}
-        for i in range(max(layer_ids) + 1):
-            h = taps[i] = self.layers[i](h, rope, mask)
-        return torch.cat([taps[i] for i in layer_ids], dim=-1)
+        for i in range(stop):
+            h = taps[i] = self.layers[i](h, rope, mask, caches[i] if caches else None)
+        return torch.cat([taps[i] for i in layer_ids], dim=-1) if layer_ids else None, h
+
+    @torch.inference_mode()
+    def features(self, ids, cu_seqlens, layer_ids, final=False):
+        # final (train.py --objective): + the last layer's output final-normed
+        feats, h = self._run(ids, cu_seqlens, layer_ids, len(self.layers) if final else max(layer_ids) + 1)
+        return torch.cat([feats, self.norm(h)], -1) if final else feats
+
+    def _head(self, h):
+        assert self.norm is not None and len(self.layers) == self.config.num_hidden_layers, (
+            "logits need every layer and the head: build the target without n_layers")
+        return self.lm_head(self.norm(h)).float()
+
+    @torch.inference_mode()
+    def features_and_logits(self, ids, cu_seqlens, layer_ids, at=None):
+        feats, h = self._run(ids, cu_seqlens, layer_ids, len(self.layers))
+        return feats, self._head(h if at is None else h[at])
+
+    def logits(self, ids, cu_seqlens, at=None):
+        return self.features_and_logits(ids, cu_seqlens, (), at)[1]
+
+    @torch.inference_mode()
+    def greedy(self, prompts, new_tokens):
+        # in lockstep with KV caches: sequence j reads its prompt while it lasts, then its argmax
+        dev, n = self.embed_tokens.weight.device, len(prompts)
+        lens = torch.tensor([len(p) for p in prompts], device=dev)
+        seq = F.pad(nn.utils.rnn.pad_sequence(prompts, True), (0, new_tokens)).to(dev, torch.long)
+        caches = [[] for _ in self.layers]
+        for t in range(seq.shape[1] - 1):     # every sequence is at position t
+            h = self._run(seq[:, t], None, (), len(self.layers), torch.full((n,), t, device=dev),
+                          caches)[1]
+            seq[:, t + 1] = torch.where(lens > t + 1, seq[:, t + 1], self._head(h).argmax(-1))
+        return seq
+
+    def flops(self, cu_seqlens, n_layers):
+        # matmul FLOPs of layers [0, n_layers) over one packed row (bench.py's MFU)
+        c, lens = self.config, cu_seqlens.diff().double()
+        linear = sum(p.numel() for p in self.layers[:n_layers].parameters() if p.dim() > 1)
+        pairs = float((lens * (lens + 1) / 2).sum())
+        attn = n_layers * 2 * 2 * c.num_attention_heads * c.head_dim * pairs   # QK^T and PV
+        return 2 * linear * int(cu_seqlens[-1]) + attn
