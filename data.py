@@ -312,21 +312,23 @@ def make_demo(out_dir, samples=384, val_samples=32, new_tokens=48, seed=0, log=p
     """Random prompts of 8-24 tokens (`seed`) continued greedily for new_tokens by target.py's
     `tiny` preset (every target has one), loss mask on the continuation: the target's own output,
     as DFlash trains, so the acceptance proxy is real acceptance against it. Reused if made."""
+    import torch
+    from target import Target, TargetConfig
+    cfg = TargetConfig.preset("tiny")   # its config in the demo's identity: a swapped target.py
     want = dict(demo="tiny", samples=samples, val_samples=val_samples, new_tokens=new_tokens,
-                seed=seed)
+                seed=seed, target=json.loads(json.dumps(vars(cfg), default=str)))   # remakes it
     os.makedirs(os.path.dirname(os.path.abspath(out_dir)), exist_ok=True)
     with open(os.path.abspath(out_dir) + ".lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)     # processes side by side: one builds, the rest reuse
+        old = []
         try:
-            if all(open_dataset(os.path.join(out_dir, s)).meta.get("source") == want
-                   for s in ("train", "val")):
-                log(f"reusing the demo in {out_dir}")
-                return out_dir
+            old = [open_dataset(os.path.join(out_dir, s)).meta.get("source") for s in ("train", "val")]
         except (OSError, ValueError):
-            pass  # not there, or not this demo: make it (Writer refuses to overwrite without force)
-        import torch
-        from target import Target, TargetConfig
-        rng, cfg, t0 = np.random.default_rng(seed), TargetConfig.preset("tiny"), time.time()
+            pass  # not there: make it (Writer refuses to overwrite another dataset)
+        if old == [want] * 2:
+            log(f"reusing the demo in {out_dir}")
+            return out_dir
+        rng, t0 = np.random.default_rng(seed), time.time()
         model = Target.build(cfg)
         prompts = [torch.from_numpy(rng.integers(1, cfg.vocab_size, rng.integers(8, 25)))
                    for _ in range(samples + val_samples)]
@@ -341,6 +343,7 @@ def make_demo(out_dir, samples=384, val_samples=32, new_tokens=48, seed=0, log=p
         rows = [(s[:len(p) + new_tokens].numpy(), np.arange(len(p) + new_tokens) >= len(p))
                 for s, p in zip(seqs, prompts)]
         for split, part in (("train", rows[:samples]), ("val", rows[samples:])):
-            m = write_dataset(os.path.join(out_dir, split), part, cfg.vocab_size, source=want)
+            m = write_dataset(os.path.join(out_dir, split), part, cfg.vocab_size, source=want,
+                              force=bool(old) and "demo" in (old[0] or {}))   # another demo's: ours
             log(f"demo: wrote {out_dir}/{split}: {m['n_samples']} samples, {time.time() - t0:.1f}s")
         return out_dir

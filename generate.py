@@ -46,19 +46,36 @@ def _packed(seqs):  # sequences as one row's documents: ids, cu_seqlens (CPU), d
     return (torch.cat(seqs), cu, torch.repeat_interleave(torch.arange(len(seqs)), lens).to(dev),
             positions_from_cu(cu).to(dev))
 
-def speculative_sampling(target, draft, prompts, max_new, temperature, generator, B, taps, eos=()):
+def sampling_probs(logits, temperature, top_p=1.0, top_k=0):
+    """The distribution a serving engine samples from (z-lab's _sampling_probs; SGLang and vLLM
+    alike): softmax(logits / T) over the top_k largest (0: all), then the smallest head of them,
+    by probability, whose mass reaches top_p, renormalised; T = 0: one-hot on the argmax."""
+    if not temperature:
+        return F.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    s = logits.float() / temperature
+    if 0 < top_k < s.shape[-1]:
+        v, i = s.topk(top_k, -1)
+        s = torch.full_like(s, -torch.inf).scatter(-1, i, v)
+    p = s.softmax(-1)
+    if top_p < 1:    # keep a token if the mass before it (in descending order) is under top_p
+        sp, order = p.sort(-1, descending=True)
+        p = torch.zeros_like(p).scatter(-1, order, sp * (sp.cumsum(-1) - sp < top_p))
+        p = p / p.sum(-1, keepdim=True)
+    return p
+
+def speculative_sampling(target, draft, prompts, max_new, temperature, generator, B, taps, eos=(),
+                         top_p=1.0, top_k=0):
     """Speculative decoding of many prompts at once, verified as SGLang and vLLM verify (Leviathan
     et al., arXiv:2211.17192). A cycle: draft() proposes B-1 tokens per prompt from [last committed
     token, mask x (B-1)] and the target features before that token; one target forward over every
-    prompt + its proposals gives p_i, the target's softmax(logits / T) after slot i (T = 0: one-hot
-    on the argmax); x_i ~ q_i is accepted with probability min(1, p_i(x_i) / q_i(x_i)), the first
+    prompt + its proposals gives p_i, the target's sampling_probs after slot i (T = 0: one-hot on
+    the argmax); x_i ~ q_i is accepted with probability min(1, p_i(x_i) / q_i(x_i)), the first
     rejected slot redrawn from max(p_i - q_i, 0), a block accepted whole followed by a draw from
     p_B: each output follows the target's sampling distribution exactly. No KV cache: every forward
     re-runs the whole sequences. Returns (new tokens, acc+1 per cycle) per prompt."""
     dev, k = prompts[0].device, torch.arange(B, device=prompts[0].device)
     sample = lambda p: torch.multinomial(p, 1, generator=generator)[:, 0]
-    probs = lambda logits: ((logits / temperature).softmax(-1) if temperature
-                            else F.one_hot(logits.argmax(-1), logits.shape[-1]).float())
+    probs = lambda logits: sampling_probs(logits, temperature, top_p, top_k)
     ids, cu, _, _ = _packed(prompts)
     feats, logits = target.features_and_logits(ids, cu, taps, at=(cu[1:] - 1).to(dev))
     first = sample(probs(logits))
@@ -137,12 +154,14 @@ def evaluate(target, drafter, prompts, max_new, eos=(), log=print):
 # -----------------------------------------------------------------------------
 # tau by replay: no decoding; tau under sampling
 
-def propose_at(drafter, target, ctx, tokens, doc, pos, anchors, temperature=0.0, generator=None):
+def propose_at(drafter, target, ctx, tokens, doc, pos, anchors, temperature=0.0, generator=None,
+               top_p=1.0, top_k=0):
     """Drafter.propose for N anchors of one packed row at once, each block's context the features
     of its document before its anchor (the training mask, dense): ctx [S, H] = drafter.context,
     tokens/doc/pos [S], anchors [N] ascending -> (proposals [N, B-1], their distributions q
-    [N, B-1, V] at T > 0, else None): DFlash the argmax or draws from softmax(logits / T), DFlash2
-    the candidate selector's walk, q zero outside each slot's candidates (dflash2.py)."""
+    [N, B-1, V] at T > 0, else None): DFlash the argmax or draws from sampling_probs, DFlash2
+    the candidate selector's walk, q zero outside each slot's candidates (dflash2.py; z-lab's
+    walk applies neither top_p nor top_k)."""
     c, k = drafter.config, torch.arange(drafter.config.block_size, device=tokens.device)
     block = torch.where(k == 0, tokens[anchors][:, None], c.mask_token_id)  # [N, B]: anchor, masks
     attend = row_attention(c, anchors, torch.ones_like(anchors, dtype=torch.bool), doc, len(tokens))
@@ -156,7 +175,7 @@ def propose_at(drafter, target, ctx, tokens, doc, pos, anchors, temperature=0.0,
         return x, q if q is None else torch.zeros_like(logits).scatter_(-1, cand, q)
     if not temperature:
         return logits.argmax(-1), None
-    q = (logits / temperature).softmax(-1)
+    q = sampling_probs(logits, temperature, top_p, top_k)
     return torch.multinomial(q.flatten(0, 1), 1, generator=generator).view(q.shape[:2]), q
 
 @torch.inference_mode()
@@ -216,15 +235,16 @@ def hist_line(hist):  # hist[k-1]: cycles that committed k tokens
         f"{k}:{n}" for k, n in enumerate(hist, 1) if n)
 
 @torch.inference_mode()
-def sampled_tau(target, drafter, prompts, max_new, temperature, seed, eos=()):
-    """tau_summary of speculative sampling, the drafter's proposals from softmax(logits / T)."""
+def sampled_tau(target, drafter, prompts, max_new, temperature, seed, eos=(), top_p=1.0, top_k=0):
+    """tau_summary of speculative sampling at temperature, top_p, top_k (sampling_probs)."""
     c, g = drafter.config, torch.Generator(prompts[0].device).manual_seed(seed)
 
     def draft(feats, tokens, doc, pos, anchors):      # [n, B-1] proposals, [n, B-1, V] their q
         return propose_at(drafter, target, drafter.context(feats), tokens, doc, pos, anchors,
-                          temperature, g)
+                          temperature, g, top_p, top_k)
     return tau_summary(speculative_sampling(target, draft, prompts, max_new, temperature, g,
-                                            c.block_size, c.target_layer_ids, eos)[1], c.block_size)
+                                            c.block_size, c.target_layer_ids, eos, top_p, top_k)[1],
+                       c.block_size)
 
 def load_target(path, device, dtype):  # a checkpoint dir, or a preset's random weights
     return (Target.from_pretrained(path, device=device, dtype=dtype) if os.path.isdir(path)
@@ -235,7 +255,7 @@ def device_dtype(device=None):   # default: the GPU if any; bf16 there, fp32 on 
     return device, torch.bfloat16 if device.type == "cuda" else torch.float32
 
 def replay_dataset(target_path, drafter_path, data_dir, max_new, n=None, device=None,
-                   temperature=0.0, seed=0):
+                   temperature=0.0, seed=0, top_p=1.0, top_k=0):
     """tau by replay on a dataset of prompts (loss mask 0) each followed by its greedy continuation
     (mask 1, >= max_new + B - 1 tokens past any eos), as quality.py writes them: tau_summary's
     dict, plus `differ`. temperature > 0: sampled_tau's dict from the same prompts, seeded."""
@@ -245,7 +265,7 @@ def replay_dataset(target_path, drafter_path, data_dir, max_new, n=None, device=
     (seqs, lens), eos = zip(*_samples(data_dir, n)), set(hf_eos(target_path))
     if temperature:
         return sampled_tau(target, drafter, [s[:p].to(device) for s, p in zip(seqs, lens)],
-                           max_new, temperature, seed, eos)
+                           max_new, temperature, seed, eos, top_p, top_k)
     cycles, differ = replay(target, drafter, seqs, lens, max_new, eos)
     return dict(tau_summary(cycles, drafter.config.block_size), differ=differ)
 
@@ -302,12 +322,18 @@ def main(argv=None):
     arg("--eos", help="comma-separated end-of-sequence ids; default: the checkpoint's")
     arg("--seed", type=number(int, 0), default=0, help="of --temperature's sampling")
     arg("--temperature", type=number(float, 0), default=0.0, help="> 0: speculative sampling")
+    arg("--top-p", type=number(float, 0, hi=1, above=True), default=1.0, help="with --temperature: "
+        "sample from the likeliest tokens holding this much mass, as served (Qwen3.6: 0.95)")
+    arg("--top-k", type=number(int, 0), default=0, help="with --temperature: sample from the k "
+        "likeliest tokens, as served (Qwen3.6: 20); 0: all")
     arg("--replay", action="store_true", help="tau by replay: the same tau, without decoding")
     args = ap.parse_args(argv)
     try:
         eos = {int(x) for x in args.eos.split(",")} if args.eos else None
     except ValueError:
         sys.exit(f"error: --eos {args.eos}: comma-separated token ids, e.g. --eos 248046,248044")
+    if (args.top_p < 1 or args.top_k) and not args.temperature:
+        sys.exit("error: --top-p/--top-k shape speculative sampling: give --temperature > 0 too")
     if args.prompts and not args.tokenizer:
         sys.exit("error: --prompts needs --tokenizer DIR (its chat template renders them)")
     if not os.path.exists(os.path.join(args.drafter, "config.json")):
@@ -347,8 +373,9 @@ def main(argv=None):
     if not (args.temperature or args.replay):
         return evaluate(target, drafter, prompts, N, eos)
     if args.temperature:
-        r = sampled_tau(target, drafter, prompts, N, args.temperature, args.seed, eos)
-        how = f"sampling at T = {args.temperature}"
+        r = sampled_tau(target, drafter, prompts, N, args.temperature, args.seed, eos, args.top_p,
+                        args.top_k)
+        how = f"sampling at T = {args.temperature}, top-p {args.top_p}, top-k {args.top_k}"
     else:                  # the greedy continuations, decoded with the target's KV caches
         seqs = [s[:len(p) + N + B - 1] for s, p in zip(target.greedy(prompts, N + B - 1), prompts)]
         cycles, differ = replay(target, drafter, seqs, [len(p) for p in prompts], N, eos)

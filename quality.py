@@ -357,31 +357,45 @@ def train_once(out, tdir, ddir, flags, retrain=False):
           "(the proxy, dev rows) | slot acc " + " ".join(f"{a:.2f}" for a in ev["slot_acc"]))
     return dict(train_s=recs[-1]["elapsed_s"], proxy=ev["accept"], anchors=anchors)
 
-def tau_once(out, tdir, ddir, b, split, n, temp, device):
-    # generate.replay_dataset's dict for the run's export, kept in the run dir: computed once
-    path = os.path.join(out, f"tau-{split}-T{temp:g}-n{n or 'all'}.json")
+def setting_name(temp, top_p=1.0, top_k=0):   # a sampling setting as the table heads it
+    return "greedy" if not temp else f"T {temp:g}" + (
+        f" p {top_p:g} k {top_k}" if (top_p, top_k) != (1.0, 0) else "")
+
+def tau_once(out, tdir, ddir, b, split, n, setting, device):
+    # generate.replay_dataset's dict for the run's export at setting (T, top-p, top-k), kept in
+    # the run dir: computed once
+    temp, top_p, top_k = setting
+    more = f"-p{top_p:g}-k{top_k}" if (top_p, top_k) != (1.0, 0) else ""
+    path = os.path.join(out, f"tau-{split}-T{temp:g}{more}-n{n or 'all'}.json")
     if not os.path.exists(path):
         t0 = time.time()
         res = generate.replay_dataset(tdir, os.path.join(out, "drafter"), os.path.join(
-            ddir, f"{split}-greedy"), b.new_tokens, n, device, temp, b.seed)
+            ddir, f"{split}-greedy"), b.new_tokens, n, device, temp, b.seed, top_p, top_k)
         res["seconds"] = time.time() - t0
         with open(path + f".tmp-{os.getpid()}", "w") as f:
             json.dump(res, f)
         os.replace(path + f".tmp-{os.getpid()}", path)
     res = json.load(open(path))
-    at = f" at T = {temp:g}" if temp else ""
-    print(f"tau {split}{at} {generate.tau_text(res)} | {res['seconds']:.1f}s\n"
-          + generate.hist_line(res["hist"]), flush=True)
+    print(f"tau {split} {setting_name(*setting)}: {generate.tau_text(res)} | {res['seconds']:.1f}s"
+          "\n" + generate.hist_line(res["hist"]), flush=True)
     return res
 
-def table(rows, temp):
-    # one line per configuration: tau +- 95% CI greedy, at T, per prompt; the proxy; train time
-    pm = lambda r, k: f"{r[k]:.3f} +- {r[k + '_ci']:.3f}" if r else "-"
-    head = ["configuration", "greedy", f"T = {temp:g}", "per-prompt", "proxy", "train s"]
-    body = [[name, pm(g, "tau"), pm(t, "tau"), pm(g, "tau_mean"), f"{run['proxy']:.3f}",
-             f"{run['train_s']:.0f}"] for name, run, g, t in rows]
+def table(rows, settings):
+    # one line per configuration: tau +- 95% CI per setting, greedy per prompt; the proxy; train s
+    pm = lambda r, k: f"{r[k]:.3f} +- {r[k + '_ci']:.3f}"
+    head = ["configuration", *map(setting_name, *zip(*settings)), "per-prompt", "proxy", "train s"]
+    body = [[name, *(pm(t, "tau") for t in taus), pm(taus[0], "tau_mean"), f"{run['proxy']:.3f}",
+             f"{run['train_s']:.0f}"] for name, run, taus in rows]
     w = [max(len(r[i]) for r in [head] + body) for i in range(len(head))]
     return "\n".join(" | ".join(c.ljust(n) for c, n in zip(r, w)) for r in [head] + body)
+
+def sampling(s):   # --tau-served: "T,TOP_P,TOP_K" with T > 0, top-p in (0, 1], top-k >= 0
+    if not s:
+        return None
+    t, p, k = s.split(",")
+    if not (float(t) > 0 and 0 < float(p) <= 1 and int(k) >= 0):
+        raise ValueError(s)
+    return float(t), float(p), int(k)
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
@@ -392,7 +406,9 @@ def main(argv=None):
     add("--split", choices=("dev", "test"), default="test", help="tune on dev, report on test")
     add("--prompts", type=number(int, 1), help="replayed prompts (default: all of the split)")
     add("--tau-temperature", type=number(float, 0), default=1.0, help="> 0: also tau sampled at "
-        "this temperature; 0: greedy only")
+        "this temperature; 0: none")
+    add("--tau-served", type=sampling, default="0.6,0.95,20", metavar="T,TOP_P,TOP_K",
+        help="also tau sampled as served (Qwen3.6's thinking defaults); '': none")
     add("--compare", nargs="+", metavar="'FLAGS'", default=[], help="train.py flags of each "
         "configuration, one quoted string each ('' the lab's defaults), trained side by side")
     add("--retrain", action="store_true", help="train again a run that finished")
@@ -402,6 +418,8 @@ def main(argv=None):
     args = ap.parse_args(argv[:cut])
     if args.compare and cut < len(argv):
         ap.error("--compare: each configuration's flags go in it, none after --")
+    settings = [(0.0, 1.0, 0)] + [(args.tau_temperature, 1.0, 0)] * (args.tau_temperature > 0) + [
+        args.tau_served] * bool(args.tau_served)
     b, device = Build(**{f: getattr(args, f) for f in asdict(Build())}), generate.device_dtype()[0]
     try:
         tdir, ddir = build(b, args.work, device)
@@ -432,12 +450,12 @@ def main(argv=None):
     rows = []
     for user, out in zip(configs, outs):
         run = train_once(out, tdir, ddir, run_flags(user), args.retrain and not procs)
-        taus = [tau_once(out, tdir, ddir, b, args.split, args.prompts, t, device)
-                for t in sorted({0.0, args.tau_temperature})]
-        rows.append((" ".join(user) or "(defaults)", run, taus[0], (taus + [None])[1]))
-    print(f"\nsplit {args.split}, {rows[0][2]['prompts']} prompts: tau over cycles (greedy, "
-          "sampled) and the mean of per-prompt tau (greedy), +- 95% CI over prompts\n"
-          + table(rows, args.tau_temperature))
+        taus = [tau_once(out, tdir, ddir, b, args.split, args.prompts, st, device)
+                for st in settings]
+        rows.append((" ".join(user) or "(defaults)", run, taus))
+    print(f"\nsplit {args.split}, {rows[0][2][0]['prompts']} prompts: tau over cycles (greedy, "
+          "sampled: T, top-p, top-k) and the mean of per-prompt tau (greedy), +- 95% CI over "
+          "prompts\n" + table(rows, settings))
     return rows
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import hashlib
 import importlib
+import itertools
 import json
 import math
 import os
@@ -3135,11 +3136,11 @@ def test_quality_command_end_to_end(tmp_path, capsys, monkeypatch):
     assert "built " in capsys.readouterr().out
     flags = ["--budget", "256", "--anchors", "8", "--row-anchors", "0", "--max-steps", "3", "--eval-rows", "2",
              "--no-compile"]
-    quality.main(small + ["--", *flags])           # greedy and T = 1 (the default)
+    quality.main(small + ["--", *flags])           # greedy, T = 1 and as served (the defaults)
     out = capsys.readouterr().out
     assert "reusing the target and data" in out and out.count("train: ") == 1
     assert re.search(r"^anchors: up to 8 per document, \d+ slots per row", out, re.M), out   # train.py banner
-    tau = float(re.search(r"tau test ([\d.]+) \+- ", out).group(1))
+    tau = float(re.search(r"tau test greedy: ([\d.]+) \+- ", out).group(1))
     hist = dict(map(int, kv.split(":")) for kv in out.split("count of cycles: ")[1].split("\n")[0].split())
     (build,) = tmp_path.glob("build-*")
     (run,) = (p.parent for p in tmp_path.glob("run-*/log.jsonl"))          # train.py's --out
@@ -3152,28 +3153,32 @@ def test_quality_command_end_to_end(tmp_path, capsys, monkeypatch):
                        str(build / "data"), "--num-prompts", "2", "--max-new-tokens", "16"])
     out_gen = capsys.readouterr().out
     assert r["identical"] == 2 and "speculative == greedy on 2/2 prompts" in out_gen, out_gen[-1500:]
-    # T = 1: speculative sampling from the same prompts, seeded by the build's seed
-    sampled = float(re.search(r"tau test at T = 1 ([\d.]+) \+- ", out).group(1))
-    res = generate.replay_dataset(str(build / "target"), str(run / "drafter"),
-                                  str(build / "data" / "test-greedy"), 24, temperature=1.0, seed=0)
-    assert res["tau"] == pytest.approx(sampled, abs=5e-4) and res["prompts"] == 4 and res["cycles"] >= 4 * 24 / 16
+    # T = 1, and T 0.6 top-p 0.95 top-k 20: speculative sampling from the same prompts, seeded by the build's seed
+    sampled = float(re.search(r"tau test T 1: ([\d.]+) \+- ", out).group(1))
+    served = float(re.search(r"tau test T 0.6 p 0.95 k 20: ([\d.]+) \+- ", out).group(1))
+    for kw, printed in ((dict(temperature=1.0), sampled), (dict(temperature=0.6, top_p=0.95, top_k=20), served)):
+        res = generate.replay_dataset(str(build / "target"), str(run / "drafter"),
+                                      str(build / "data" / "test-greedy"), 24, seed=0, **kw)
+        assert res["tau"] == pytest.approx(printed, abs=5e-4) and res["prompts"] == 4 and res["cycles"] >= 4 * 24 / 16
     # the finished run is reused for another split and temperature: nothing trains again
-    ((_, _, greedy, at_half),) = quality.main(small + ["--tau-temperature", "0.5", "--", *flags])
+    ((_, _, (greedy, at_half, _)),) = quality.main(small + ["--tau-temperature", "0.5", "--", *flags])
     out = capsys.readouterr().out
     assert "train: " not in out and f"reusing the finished run {run}" in out
     assert greedy["tau"] == pytest.approx(tau, abs=5e-4) and at_half["prompts"] == 4
-    ((_, _, dev, none),) = quality.main(small + ["--split", "dev", "--tau-temperature", "0", "--", *flags])
-    assert "train: " not in capsys.readouterr().out and dev["prompts"] == 4 and none is None
+    ((_, _, taus),) = quality.main(small + ["--split", "dev", "--tau-temperature", "0", "--tau-served", "",
+                                            "--", *flags])
+    assert "train: " not in capsys.readouterr().out and len(taus) == 1 and taus[0]["prompts"] == 4
     # --compare: one child quality.py per configuration, side by side (the finished one reused), one table
     other = flags + ["--lr", "1e-3"]
     rows = quality.main(small + ["--compare", " ".join(flags), " ".join(other)])
     out = capsys.readouterr().out
     assert [r[0] for r in rows] == [" ".join(flags), " ".join(other)]
     table = out.split("+- 95% CI over prompts\n")[1].splitlines()
-    assert [c.strip() for c in table[0].split(" | ")] == ["configuration", "greedy", "T = 1", "per-prompt",
-                                                          "proxy", "train s"]
+    assert [c.strip() for c in table[0].split(" | ")] == ["configuration", "greedy", "T 1", "T 0.6 p 0.95 k 20",
+                                                          "per-prompt", "proxy", "train s"]
     assert len(table) == 3 and table[1].startswith(" ".join(flags)) and f"{tau:.3f} +- " in table[1], out
-    assert f"{sampled:.3f} +- " in table[1] and table[2].startswith(" ".join(other))
+    assert f"{sampled:.3f} +- " in table[1] and f"{served:.3f} +- " in table[1]
+    assert table[2].startswith(" ".join(other))
     runs = [p.parent for p in tmp_path.glob("run-*/log.jsonl")]
     assert len(runs) == 2 and "reusing the finished run" in (run.parent / f"{run.name}.quality.log").read_text()
     (new,) = set(runs) - {run}
@@ -3278,16 +3283,67 @@ def chi_square(draws, probs):
     return float(((counts - expect)[keep] ** 2 / expect[keep]).sum()), int(keep.sum()) - 1
 
 
-def test_speculative_sampling_keeps_the_target_distribution():
-    """generate.speculative_sampling on a target of 8 tokens, blocks of 4, T = 1.5, 2000 copies of one prompt
-    in one call: with proposals from a fixed distribution unlike the target's, the 2nd and 3rd emitted tokens
-    (the accept/reject path of the first cycle) follow the target's own sampling marginals, computed exactly
-    (chi-square below its 0.999 quantile); proposals drawn from the target itself are always accepted."""
+def test_sampling_probs_by_hand():
+    """generate.sampling_probs as z-lab's _sampling_probs (and the engines) filter: p = (.5, .25, .15, .1) as
+    logits log p. top-k 3: (.5, .25, .15) / .9; then top-p .7: sorted, the mass before each (0, .556, .833)
+    under .7 keeps two, renormalised (2/3, 1/3); T = 2: softmax(log p / 2) ~ sqrt(p); T = 0: one-hot."""
+    logits = torch.tensor([[.5, .25, .15, .1]]).log()
+    sp = generate.sampling_probs
+    assert torch.allclose(sp(logits, 1.0, 1.0, 3), torch.tensor([[.5, .25, .15, 0]]) / .9)
+    assert torch.allclose(sp(logits, 1.0, 0.7, 3), torch.tensor([[2 / 3, 1 / 3, 0, 0]]))
+    assert torch.allclose(sp(logits, 1.0, 0.7), torch.tensor([[2 / 3, 1 / 3, 0, 0]]))   # .5, .75: two
+    assert torch.allclose(sp(logits, 1.0, 0.76), torch.tensor([[.5, .25, .15, 0]]) / .9)
+    root = torch.tensor([[.5, .25, .15, .1]]).sqrt()
+    assert torch.allclose(sp(logits, 2.0), root / root.sum()) and torch.equal(sp(logits, 0.0), torch.eye(4)[:1])
+
+
+def target_marginals(t, prompt, depth, T, top_p=1.0, top_k=0, V=8):
+    """The target's own sampling distribution after prompt (generate.sampling_probs at T, top-p, top-k) for
+    every prefix of up to depth - 1 tokens: [p(x1), p(x2 | x1) [V, V], p(x3 | x1, x2) [V, V, V], ...]."""
+    out = []
+    for n in range(depth):
+        prefixes = [list(x) for x in itertools.product(range(V), repeat=n)]
+        seqs = [torch.cat([prompt, torch.tensor(x, dtype=torch.long)]) for x in prefixes]
+        cu = torch.tensor([0] + np.cumsum([len(s) for s in seqs]).tolist())
+        p = generate.sampling_probs(t.logits(torch.cat(seqs), cu, at=cu[1:] - 1), T, top_p, top_k).double()
+        out.append(p.view(*[V] * (n + 1)))
+    return out
+
+
+def check_first_cycle(news, cycles, P, q):
+    """Speculative sampling's output against the exact distributions (chi-square below its 0.999 quantile):
+    the 2nd and 3rd emitted tokens (the accept/reject path of the first cycle) follow the target's own
+    marginals from P (target_marginals); with the drafts' fixed distributions q [3, V] (independent of the
+    prefix), the first cycle's accepted count does too: P(acc >= k) = sum over x1 (the prefill's token) and
+    drafts x2..x(k+1) of p(x1) prod_i min(q_i, p)(x(i+1) | x<=i) (Leviathan et al.'s acceptance)."""
+    quantile = {7: 24.32, 6: 22.46, 5: 20.52, 4: 18.47, 3: 16.27, 2: 13.82, 1: 10.83}
+    p12 = P[0][:, None] * P[1]
+    for k, probs in ((1, p12.sum(0)), (2, (p12[..., None] * P[2]).sum((0, 1)))):
+        stat, dof = chi_square(torch.tensor([new[k] for new in news]), probs)
+        assert stat < quantile[dof], (k, stat, dof)
+    if q is None:
+        return
+    path, ge = P[0], []                          # mass of the paths accepted so far, [x1, ..., x(k+1)]
+    for i in range(3):
+        path = path[..., None] * torch.minimum(q[i].double(), P[i + 1])
+        ge.append(path.sum())
+    probs = torch.stack([1 - ge[0], ge[0] - ge[1], ge[1] - ge[2], ge[2]]).float()
+    stat, dof = chi_square(torch.tensor([c[0] - 1 for c in cycles]), probs)
+    assert stat < quantile[dof], ("accepted", stat, dof, probs)
+
+
+@pytest.mark.parametrize("T,top_p,top_k", [(1.5, 1.0, 0), (1.2, 0.8, 5)])
+def test_speculative_sampling_keeps_the_target_distribution(T, top_p, top_k):
+    """generate.speculative_sampling on a target of 8 tokens, blocks of 4, 2000 copies of one prompt in one call,
+    as served: T, then top-k and top-p on both distributions: with proposals from a fixed distribution unlike the
+    target's (filtered alike), the emitted tokens follow the target's own filtered sampling marginals and the
+    first cycle's accepted count its exact distribution (check_first_cycle); proposals drawn from the target
+    itself are always accepted."""
     cfg = dataclasses.replace(TargetConfig.preset("tiny"), vocab_size=8)
-    t, T, B, taps = Target.build(cfg), 1.5, 4, [1]
+    t, B, taps = Target.build(cfg), 4, [1]
     prompt = torch.tensor([3, 1, 4, 1, 5])
     g = torch.Generator().manual_seed(0)
-    q_fixed = (torch.randn(B - 1, 8, generator=g) * 2).softmax(-1)
+    q_fixed = generate.sampling_probs(torch.randn(B - 1, 8, generator=g) * 2, T, top_p, top_k)
 
     def fixed(feats, tokens, doc, pos, anchors):
         q = q_fixed.expand(len(anchors), B - 1, 8)
@@ -3299,31 +3355,22 @@ def test_speculative_sampling_keeps_the_target_distribution():
             seq, x, q = tokens[(doc == doc[a]).nonzero()[0, 0]:a + 1], [], []
             for _ in range(B - 1):
                 ids = torch.cat([seq, torch.tensor(x, dtype=torch.long)])
-                p = (t.logits(ids, torch.tensor([0, len(ids)]), at=torch.tensor([len(ids) - 1]))[0] / T).softmax(-1)
+                p = generate.sampling_probs(t.logits(ids, torch.tensor([0, len(ids)]), at=torch.tensor(
+                    [len(ids) - 1]))[0], T, top_p, top_k)
                 x.append(int(torch.multinomial(p, 1, generator=g)))
                 q.append(p)
             xs.append(torch.tensor(x))
             qs.append(torch.stack(q))
         return torch.stack(xs), torch.stack(qs)
-    news, cycles = generate.speculative_sampling(t, fixed, [prompt] * 2000, 3, T, g, B, taps)
-    assert all(len(new) == 3 for new in news) and any(c[0] < B for c in cycles)
-    # exact marginals of sampling the target: P(x1), then P(x2) and P(x3) summed over the prefixes
-    def next_probs(prefixes):
-        seqs = [torch.cat([prompt, torch.tensor(x, dtype=torch.long)]) for x in prefixes]
-        cu = torch.tensor([0] + np.cumsum([len(s) for s in seqs]).tolist())
-        return (t.logits(torch.cat(seqs), cu, at=cu[1:] - 1) / T).softmax(-1).double()
-    p1 = next_probs([[]])[0]
-    p12 = p1[:, None] * next_probs([[a] for a in range(8)])                          # [x1, x2]
-    p3 = (p12.view(-1, 1) * next_probs([[a, b] for a in range(8) for b in range(8)])).sum(0)
-    for k, probs in ((1, p12.sum(0)), (2, p3)):
-        stat, dof = chi_square(torch.tensor([new[k] for new in news]), probs)
-        quantile = {7: 24.32, 6: 22.46, 5: 20.52, 4: 18.47}[dof]
-        assert stat < quantile, (k, stat, dof)
+    news, cycles = generate.speculative_sampling(t, fixed, [prompt] * 2000, 3, T, g, B, taps, (), top_p, top_k)
+    assert all(len(new) == 3 for new in news) and any(c[0] < B for c in cycles) and any(c[0] > 1 for c in cycles)
+    check_first_cycle(news, cycles, target_marginals(t, prompt, 4, T, top_p, top_k), q_fixed)
     # prompts of different lengths in one call, each to its own end: proposals from the target itself
     news, cycles = generate.speculative_sampling(t, the_target, [prompt, prompt[:2], prompt[1:]] * 4, 9, T, g,
-                                                 B, taps)
+                                                 B, taps, (), top_p, top_k)
     assert all(c == [B] * len(c) for c in cycles) and all(len(new) == 9 for new in news)
     assert all(len(c) == 2 for c in cycles)     # 1 + 4 + 4 tokens: the prefill's, then two whole blocks
+
 
 def test_divergence_is_reported(gen, monkeypatch):
     """A greedy decode that differs (here: forced, at new token 5) is named, with the target's top-2 gap there;
@@ -4233,34 +4280,27 @@ def test_dflash2_speculative_equals_greedy_and_replay(gen):
     assert not torch.equal(walked, logits.argmax(-1))
 
 
-def test_dflash2_speculative_sampling_keeps_the_target_distribution():
-    """As test_speculative_sampling_keeps_the_target_distribution, at T = 1, the proposals DFlash2's sampled
-    walk (generate.propose_at) over the top-3 of 8 tokens, q zero outside them: the 2nd and 3rd emitted tokens
-    follow the target's own sampling marginals (chi-square below its 0.999 quantile)."""
+@pytest.mark.parametrize("T,top_p,top_k", [(1.0, 1.0, 0), (0.8, 0.9, 6)])
+def test_dflash2_speculative_sampling_keeps_the_target_distribution(T, top_p, top_k):
+    """As test_speculative_sampling_keeps_the_target_distribution, the proposals DFlash2's sampled walk
+    (generate.propose_at) over the top-3 of 8 tokens, q zero outside them (z-lab's walk filters nothing; the
+    target's p is filtered as served): the 2nd and 3rd emitted tokens follow the target's own sampling
+    marginals (chi-square below its 0.999 quantile)."""
     cfg = dataclasses.replace(TargetConfig.preset("tiny"), vocab_size=8)
-    t, T, B = Target.build(cfg), 1.0, 4
+    t, B = Target.build(cfg), 4
     dc = DrafterConfig.from_target(cfg, n_feat=1, num_hidden_layers=1, block_size=B, **dict(D2, selector_top_k=3))
     d = randomize_drafter_(Drafter(dc), 5)
     prompt, g = torch.tensor([3, 1, 4, 1, 5]), torch.Generator().manual_seed(0)
 
     def draft(feats, tokens, doc, pos, anchors):
-        x, q = generate.propose_at(d, t, d.context(feats), tokens, doc, pos, anchors, T, g)
+        x, q = generate.propose_at(d, t, d.context(feats), tokens, doc, pos, anchors, T, g, top_p, top_k)
         assert ((q > 0).sum(-1) == 3).all() and torch.allclose(q.sum(-1), torch.ones(()))
         return x, q
     with torch.no_grad():
-        news, cycles = generate.speculative_sampling(t, draft, [prompt] * 2000, 3, T, g, B, dc.target_layer_ids)
+        news, cycles = generate.speculative_sampling(t, draft, [prompt] * 2000, 3, T, g, B, dc.target_layer_ids,
+                                                     (), top_p, top_k)
     assert all(len(new) == 3 for new in news) and any(c[0] < B for c in cycles) and any(c[0] > 1 for c in cycles)
-
-    def next_probs(prefixes):
-        seqs = [torch.cat([prompt, torch.tensor(x, dtype=torch.long)]) for x in prefixes]
-        cu = torch.tensor([0] + np.cumsum([len(s) for s in seqs]).tolist())
-        return (t.logits(torch.cat(seqs), cu, at=cu[1:] - 1) / T).softmax(-1).double()
-    p12 = next_probs([[]])[0][:, None] * next_probs([[a] for a in range(8)])                # [x1, x2]
-    p3 = (p12.view(-1, 1) * next_probs([[a, b] for a in range(8) for b in range(8)])).sum(0)
-    for k, probs in ((1, p12.sum(0)), (2, p3)):
-        stat, dof = chi_square(torch.tensor([new[k] for new in news]), probs)
-        quantile = {7: 24.32, 6: 22.46, 5: 20.52, 4: 18.47, 3: 16.27}[dof]
-        assert stat < quantile, (k, stat, dof)
+    check_first_cycle(news, cycles, target_marginals(t, prompt, 3, T, top_p, top_k), None)
 
 
 @pytest.mark.parametrize("objective", [None, "dspark"])

@@ -188,13 +188,20 @@ def curve(out):
                 for r in map(json.loads, f) if r["kind"] in ("train", "eval")}
 
 
-def test_pair_trains_what_one_process_trains(tmp_path):
+@pytest.mark.parametrize("objective", [[], ["--objective", "tv", "--objective-temperature", "0.8"]],
+                         ids=["ce", "tv"])
+def test_pair_trains_what_one_process_trains(tmp_path, objective):
     """One pair (the target rank streams features to the drafter rank) trains what one process
-    trains: the same losses, acceptance and grad norms, exactly, over 8 steps and 2 evals."""
-    flags = ["--max-steps", "8", "--log-interval", "1", "--eval-interval", "4"]
-    train(tmp_path / "pair", *flags, nproc=2, port=29547)
+    trains: the same losses, acceptance and grad norms, exactly, over 8 steps and 2 evals; with an
+    objective on the target's distribution too (its final hidden state travels with the taps), whose
+    eval logs the expected accepted lengths under sampling."""
+    flags = ["--max-steps", "8", "--log-interval", "1", "--eval-interval", "4", *objective]
+    text = train(tmp_path / "pair", *flags, nproc=2, port=29547 + bool(objective))
     train(tmp_path / "one", *flags)
     assert curve(tmp_path / "pair") == curve(tmp_path / "one") and len(curve(tmp_path / "one")) == 11
+    evals = [{r["step"]: r.get("sampled_accept") for r in train_log(tmp_path / k, "eval")} for k in ("pair", "one")]
+    assert evals[0] == evals[1] and all((v is not None) == bool(objective) for v in evals[0].values())
+    assert ("the final norm loaded (--objective)" in text) == bool(objective)
 
 
 # ==================================================================================================
@@ -248,15 +255,17 @@ def test_target_interface(tmp_path):
 def test_fork_runs_every_command(tmp_path):
     """With testdata/llama_target.py as target.py (no Qwen file), every command runs on the Target interface
     alone: the product modules import (quality.py trains a Qwen3.5 target itself: Qwen-only); train.py with no
-    --data trains on a demo its own tiny preset made; bench.py says in one line that it needs a GPU; generate.py
-    decodes the export with speculative == greedy."""
+    --data trains on a demo its own tiny preset made (not the Qwen demo the checkout held), with an objective on
+    the target's distribution (its features(final=True)); bench.py says in one line that it needs a GPU;
+    generate.py decodes the export with speculative == greedy."""
     fork = fork_trainer(tmp_path / "fork", os.path.join(HERE, "testdata", "llama_target.py"))
+    shutil.copytree(demo_data(), fork / "data" / "demo")     # the Qwen target's demo: made anew
     run = lambda *cmd: subprocess.run([sys.executable, *map(str, cmd)], cwd=fork, env=clean_env(),
                                       capture_output=True, text=True, timeout=900)
     r = run("-c", "import checkpoint, checks, data, dflash2, generate, layers, model, plot, prepare, regenerate, "
                   "speedups")
     assert r.returncode == 0, r.stderr[-3000:]
-    r = run("train.py", "--out", tmp_path / "out", "--max-steps", 3, "--eval-interval", 1000)
+    r = run("train.py", "--out", tmp_path / "out", "--max-steps", 3, "--eval-interval", 1000, "--objective", "tv")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert f"demo: wrote {fork / 'data' / 'demo'}/train: 384 samples" in r.stdout
     r = run("bench.py", "drafter")
@@ -747,8 +756,10 @@ def finished(tmp_path_factory):
     (["--resume", "--data", "OTHER"], "error: --resume: the --data differs from the checkpoint's: n_samples 3 "
                                       "(checkpoint: 384)"),
     (["--resume", "--max-steps", 1], "error: --resume: the checkpoint is at step 2, past this run's 1 steps"),
+    (["--resume", "--objective", "dspark"], "error: --resume: --objective dspark differs from the checkpoint's ce; "
+                                            "resume with --objective ce"),
     ([], "error: --out OUT holds a run (OUT/ckpt.pt); continue it with --resume, start over with --overwrite"),
-], ids=["budget", "block-size", "sliding-window", "gamma", "data", "max-steps", "no-resume"])
+], ids=["budget", "block-size", "sliding-window", "gamma", "data", "max-steps", "objective", "no-resume"])
 def test_resume_refuses_what_changes_the_run(finished, tmp_path, flags, msg):
     """A resume that would train another drafter or other rows, or a new run over a finished one:
     one line naming the flag and both values; the run's files untouched."""
@@ -894,7 +905,10 @@ ONE_LINE = {   # name: (flags, or a function of tmp_path giving them; what the l
         ("--max-steps", 0, ">= 1"), ("--epochs", 0, ">= 1"), ("--drafter-layers", 0, ">= 1"),
         ("--log-interval", 0, ">= 1"), ("--save-interval", 0, ">= 1"), ("--eval-interval", 0, ">= 1"),
         ("--block-size", 0, ">= 2"), ("--block-size", 1, ">= 2"), ("--seed", -1, ">= 0"),
-        ("--lr", -1, "> 0"), ("--gamma", 0, "> 0"), ("--warmup", 2, ">= 0 and <= 1"), ("--anchors", 0, ">= 1")]},
+        ("--lr", -1, "> 0"), ("--gamma", 0, "> 0"), ("--warmup", 2, ">= 0 and <= 1"), ("--anchors", 0, ">= 1"),
+        ("--objective-temperature", 0, "> 0")]},
+    "objective-temperature-ce": (["--objective-temperature", 0.6],
+                                 "error: --objective-temperature: for --objective tv, accept or dspark only"),
     "n-feat": (["--n-feat", 20], "error: --n-feat 20: the target's 8 layers give taps [1, 1, 1, 2,"),
     "init-missing": (lambda t: ["--init-drafter", t / "nope"], "config.json not found"),
     "init-no-weights": (lambda t: bad_init_drafter(t, lambda d: os.remove(d / "model.safetensors")),
@@ -942,6 +956,10 @@ def test_bad_input_reported_before_out_in_use(finished, tmp_path):
     (["--max-new-tokens", 0], "error: --max-new-tokens: 0 must be >= 1"),
     (["--num-prompts", 0], "error: --num-prompts: 0 must be >= 1"),
     (["--eos", "x"], "error: --eos x: comma-separated token ids"),
+    (["--top-p", 0], "error: --top-p: 0 must be > 0 and <= 1"),
+    (["--top-p", 1.5, "--temperature", 1], "error: --top-p: 1.5 must be > 0 and <= 1"),
+    (["--top-k", -1], "error: --top-k: -1 must be >= 0"),
+    (["--top-k", 20], "error: --top-p/--top-k shape speculative sampling: give --temperature > 0 too"),
 ])
 def test_generate_one_line_errors(flags, msg):
     assert one_line_error(run_apart(generate_cmd("--drafter", "out/drafter", *flags))).startswith(msg)

@@ -178,8 +178,8 @@ self_check = checks.SelfCheck(dcfg, device, rank_cache, skip or role == "target"
 
 data_dir = args.data or os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "demo")
 try:
-    if args.data is None and not os.path.exists(os.path.join(data_dir, "train", "meta.json")):
-        make_demo(data_dir, log=print0)      # one rank or run makes it (a file lock), the rest wait
+    if args.data is None:   # made by this target.py, or made anew (one rank: a file lock)
+        make_demo(data_dir, log=print0)
     train_ds, val_dir = open_dataset(data_dir), os.path.join(data_dir, "val")
     val_ds = open_dataset(val_dir) if os.path.exists(val_dir) else None
 except DataError as e:           # a missing meta.json, a truncated tokens.bin: named, with the fix
