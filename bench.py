@@ -34,6 +34,8 @@ arg("--target", default="qwen3.6-27b", help="a target.py preset (qwen3.6-27b, qw
 arg("--drafter-layers", type=int, help="drafter layers (default: z-lab's published drafter's)")
 arg("--sliding-window", type=int, help="drafter window (default: published); 0: all full")
 arg("--arch", choices=("dflash", "dflash2"), default="dflash2", help="as train.py's")
+arg("--objective", choices=("ce", "tv", "accept", "dspark"), default="ce", help="as train.py's; "
+    "target: also the forward to the final norm")
 arg("--out", default=os.path.join(tempfile.gettempdir(), "dflash-bench"), help="scratch dir")
 args, dev, bf16 = p.parse_args(), torch.device("cuda"), torch.bfloat16
 if not torch.cuda.is_available():
@@ -79,7 +81,7 @@ def drafter_flops(drafter, S, N, doc, pos, loss_mask):
     full = (pos[anchors][:, None] + B).expand(-1, B)
     visible = {kind: (((q + 1).clamp(max=w) if w else full) * keep[:, None]).sum().item()
                for kind, w in dcfg.windows().items()}
-    return drafter.flops(S, N, visible)
+    return drafter.flops(S, N, visible, args.objective != "ce")
 
 def qwen_kernel_checks(per_expert_linear):
     # 1) fla (bf16) == plain torch (fp32) on a packed row,
@@ -156,14 +158,15 @@ if args.what == "check":
     print("check: OK")
 
 elif args.what == "target":
-    peak, taps, T = matmul_peak(), dcfg.target_layer_ids, args.budget
-    target = Target.build(tcfg, device=dev, dtype=bf16, n_layers=max(taps) + 1, head=False)
+    peak, taps, T, final = matmul_peak(), dcfg.target_layer_ids, args.budget, args.objective != "ce"
+    n = tcfg.num_hidden_layers if final else max(taps) + 1   # --objective: to the final norm
+    target = Target.build(tcfg, device=dev, dtype=bf16, n_layers=n, head=False)
     weights, (cu, _, _) = torch.cuda.memory_allocated() / 2**30, packed_row(T, 4)
     ids = torch.randint(0, tcfg.vocab_size, (T,), device=dev)
     torch.cuda.reset_peak_memory_stats()
-    ms, fl = bench_ms(lambda: target.features(ids, cu, taps)), target.flops(cu, max(taps) + 1)
-    print(f"{args.target} forward, layers 0..{max(taps)} (random; {weights:.1f} GiB of weights), "
-          f"{T} tokens in 4 docs, taps {taps}: {ms:.1f} ms, {T / ms * 1e3:.0f} tok/s, "
+    ms, fl = bench_ms(lambda: target.features(ids, cu, taps, final=final)), target.flops(cu, n)
+    print(f"{args.target} forward, layers 0..{n - 1}{' + norm' * final} (random; {weights:.1f} GiB "
+          f"of weights), {T} tokens in 4 docs, taps {taps}: {ms:.1f} ms, {T / ms * 1e3:.0f} tok/s, "
           f"{fl / ms / 1e9:.0f} TFLOP/s, MFU {fl / (ms * 1e-3) / peak:.1%} (matmul peak "
           f"{peak / 1e12:.0f} TFLOP/s), peak mem {torch.cuda.max_memory_allocated() / 2**30:.1f} "
           "GiB" + (f" [FLOPs on active parameters: {tcfg.num_experts_per_tok} of "
@@ -176,10 +179,15 @@ elif args.what == "drafter":
     _, doc, pos = packed_row(S, 4)
     row = dict(tokens=torch.randint(0, tcfg.vocab_size, (S,), device=dev), doc=doc, pos=pos,
                loss_mask=(torch.rand(S, device=dev) < 0.7).long())
-    feats = torch.randn(S, len(dcfg.target_layer_ids) * tcfg.hidden_size, device=dev, dtype=bf16)
+    final = args.objective != "ce"  # --objective: the target's final hidden state after the taps
+    feats = torch.randn(S, (len(dcfg.target_layer_ids) + final) * tcfg.hidden_size, device=dev,
+                        dtype=bf16)
     # train.py's step, compiled whole; N anchors from any document
     kw = dict(anchors_per_doc=S, row_anchors=N, embed=tgt.embed_tokens.weight, gamma=7.0,
               head=tgt.lm_head.weight, flex=flex_kernel_options(dev))
+    if final:
+        import distill
+        kw["objective"] = distill.Objective(args.objective)
     drafter_step_c = torch.compile(functools.partial(drafter_step, d, **kw), fullgraph=True,
                                    dynamic=False)
     def step():
@@ -201,7 +209,8 @@ elif args.what == "drafter":
     torch.cuda.reset_peak_memory_stats()
     ms, fl = bench_ms(step), drafter_flops(d, S, N, doc, pos, row["loss_mask"])
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | matmul peak "
-          f"{peak / 1e12:.0f} TFLOP/s | {args.arch} drafter layers {dcfg.layer_types} window "
+          f"{peak / 1e12:.0f} TFLOP/s | {args.arch} drafter, --objective {args.objective}, "
+          f"layers {dcfg.layer_types} window "
           f"{dcfg.sliding_window} | {time.strftime('%F')}\n| anchors | "
           f"budget | compile s | step ms | TFLOP | MFU | peak GiB | fused flex backward |\n"
           f"{'|---' * 8}|\n| {N} | {S} | {compile_s:.0f} | {ms:.0f} | {fl / 1e12:.0f} | "
