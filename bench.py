@@ -20,7 +20,7 @@ import torch
 import checks
 from layers import positions_from_cu
 from target import Target, TargetConfig
-from model import Drafter, DrafterConfig, drafter_step, flex_kernel_options
+from model import Drafter, DrafterConfig, drafter_step
 from model import sample_anchors
 from data import ArgParser
 
@@ -136,7 +136,8 @@ if args.what == "check":
     # 2) compiled flex == dense SDPA, outputs and gradients (train.py's self-check), both layouts
     for window in (2048, 0):
         c = DrafterConfig.from_target(tcfg, sliding_window=window)
-        out_err, grad_err, seconds = checks.flex_matches_dense(c, dev, flex_kernel_options(dev))
+        out_err, grad_err, seconds = checks.flex_matches_dense(c, dev,
+                                                               checks.flex_kernel_options(dev))
         print(f"compiled flex vs dense attention, masks {list(c.windows())}: output rel err "
               f"{out_err:.1e}, max grad rel err {grad_err:.1e}, {seconds:.0f} s")
         assert out_err < 1e-3 and grad_err < 1e-3, "flex BlockMask path disagrees with dense"
@@ -184,7 +185,7 @@ elif args.what == "drafter":
                         dtype=bf16)
     # train.py's step, compiled whole; N anchors from any document
     kw = dict(anchors_per_doc=S, row_anchors=N, embed=tgt.embed_tokens.weight, gamma=7.0,
-              head=tgt.lm_head.weight, flex=flex_kernel_options(dev))
+              head=tgt.lm_head.weight, flex=checks.flex_kernel_options(dev))
     if final:
         import distill
         kw["objective"] = distill.Objective(args.objective)

@@ -20,7 +20,8 @@ import warnings
 
 import torch
 
-from model import SLIDING, TILE, DrafterConfig, flex_kernel_options, row_attention
+import checkpoint
+from model import SLIDING, TILE, DrafterConfig, row_attention
 
 def rank_caches(root, rank, fresh=False):
     # this rank's cache dir, its Triton and Inductor caches, before anything compiles: under
@@ -81,6 +82,28 @@ def start(args, data_dir, ds, demand, lost, tcfg, dcfg):
         if not ok:
             sys.exit("error: " + msg)
 
+def flags(parser, args):
+    """train.py's flags as one run: a flag a combination would ignore is refused in one line,
+    --resume takes its checkpoint's (checkpoint.run_flags), the defaults that depend on others set.
+    -> the objective on the target's distribution (distill.py, imported only then), None for CE."""
+    for wrong, msg in [
+            (args.epochs and args.max_steps, "--epochs and --max-steps: give one"),
+            (args.dpace_alpha is not None and args.loss != "dpace",
+             "--dpace-alpha: for --loss dpace only"),
+            (args.objective_temperature is not None and args.objective == "ce",
+             "--objective-temperature: for --objective tv, accept or dspark only")]:
+        if wrong:
+            parser.error(msg)
+    if args.resume:
+        checkpoint.run_flags(parser, args)
+    args.epochs, args.dpace_alpha = args.epochs or 6, 0.5 if args.dpace_alpha is None else (
+        args.dpace_alpha)
+    if args.objective == "ce":
+        return None
+    import distill
+    args.objective_temperature = args.objective_temperature or 1.0
+    return distill.Objective(args.objective, args.objective_temperature)
+
 def init_drafter(args, drafter, dcfg, tcfg):
     """--init-drafter's drafter against the target and the flags (dcfg: what they ask for): the
     row capacity and metrics assume --block-size; the mask token must be a target row. A DFlash
@@ -137,6 +160,18 @@ def fused_backward(kinds):
         raise RuntimeError(f"the first step did not run a fused flex_attention backward kernel "
                            f"for each of the {kinds} layer kinds (saw {seen}); refusing to train "
                            "on the dense fallback (~17 GB per layer at 512 anchors / 8192 budget)")
+
+def flex_kernel_options(device):
+    """flex_attention kernel options: 2 backward pipeline stages, not 3, with ~227 KB of shared
+    memory per block (H100/H200/B200; faster, RESULTS.md); else tiles smaller than inductor's.
+    None on the CPU: the drafter's dense path."""
+    if device.type != "cuda":
+        return None
+    props = torch.cuda.get_device_properties(device)
+    if getattr(props, "shared_memory_per_block_optin", 0) >= 200 * 1024:
+        return dict(bwd_num_stages=2)
+    return dict(BLOCK_M=64, BLOCK_N=64, num_stages=2,
+                bwd_BLOCK_M1=32, bwd_BLOCK_N1=64, bwd_BLOCK_M2=32, bwd_BLOCK_N2=32)
 
 def check_row(B, device):
     """The self-check's row: 3 documents, anchors at random, at the documents' starts (empty

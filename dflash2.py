@@ -171,7 +171,8 @@ class Selector(nn.Module):
         right = (choice == y).view(N, B) & supervised
         walked = 1 + right[:, 1:].long().cumprod(1).sum(1)              # anchor + leading right
         return dict(out, loss=out["loss"] + alpha * loss, selector_loss=loss.detach(),
-                    topk_hit=(found.view(N, B) & supervised).sum(), selector_correct=right.sum(),
+                    topk_recall_hits=(found.view(N, B) & supervised).sum(),
+                    selector_acc_hits=right.sum(),
                     walk_accept_sum=(walked * keep).sum(), **more)
 
     def flops(self, Q):

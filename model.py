@@ -336,15 +336,6 @@ def _dense_attention(allowed):
         return o if blind is None else o.masked_fill(blind, 0.0)
     return attend
 
-def flex_kernel_options(device):
-    """flex_attention kernel options: 2 backward pipeline stages, not 3, with ~227 KB of shared
-    memory per block (H100/H200/B200; faster, RESULTS.md); else tiles smaller than inductor's."""
-    props = torch.cuda.get_device_properties(device)
-    if getattr(props, "shared_memory_per_block_optin", 0) >= 200 * 1024:
-        return dict(bwd_num_stages=2)
-    return dict(BLOCK_M=64, BLOCK_N=64, num_stages=2,
-                bwd_BLOCK_M1=32, bwd_BLOCK_N1=64, bwd_BLOCK_M2=32, bwd_BLOCK_N2=32)
-
 def row_attention(config, anchors, keep, doc, S, flex=None):
     """{layer kind: attend(q, k, v)}: THE mask of each kind present, dense + SDPA (flex None, CPU)
     or a BlockMask from anchor_blocks with flex's kernel options (GPU, compiled)."""
@@ -622,14 +613,3 @@ def drafter_step(drafter, feats, row, *, anchors_per_doc, row_anchors, flex=None
     with torch.autocast("cuda", torch.bfloat16) if feats.is_cuda else nullcontext():
         return drafter(feats, **{k: row[k] for k in ("tokens", "loss_mask", "doc", "pos")},
                        anchors=anchors, keep=keep, flex=flex, **kw), wanted
-
-def eval_extras(m):
-    """An eval's record fields past loss, accept and slot_acc, with their console text, from the
-    drafters' metric sums m: per supervised slot DFlash2's top-K recall and selector accuracy, per
-    block the other accepted lengths (*accept_sum: DFlash2's walk; the objective's, expected)."""
-    n, blocks = m["slot_count"].sum().clamp(min=1).item(), max(m["blocks"].item(), 1)
-    r = {name: m[k].item() / n for name, k in (("topk_recall", "topk_hit"),
-                                                ("selector_acc", "selector_correct")) if k in m}
-    r.update({k[:-4]: m[k].item() / blocks for k in m if k.endswith("accept_sum")
-              and k != "accept_sum"})
-    return r, "".join(f" | {k.replace('_', ' ')} {v:.3f}" for k, v in r.items())

@@ -4192,7 +4192,7 @@ def test_dflash2_selector_loss_by_hand():
     ce2 = math.log(math.exp(3.5) + math.exp(-1.5) + math.exp(1.25)) - 1.25
     assert out["selector_loss"].item() == pytest.approx((ce1 + ce2) / 2, rel=1e-6)
     assert out["loss"].item() == pytest.approx(1 + 0.5 * (ce1 + ce2) / 2, rel=1e-6)
-    assert (out["topk_hit"], out["selector_correct"], out["walk_accept_sum"]) == (1, 1, 2)
+    assert (out["topk_recall_hits"], out["selector_acc_hits"], out["walk_accept_sum"]) == (1, 1, 2)
     # an objective (distill.py): on the walk's q over the strict top-2, as served, p the target's at the ids:
     #   slot 1: q = softmax(2.5, 0) = (1 - e1, e1), p (.5, .3): a1 = .5 + e1; slot 2: q = softmax(3.5, -1.5),
     #   p (.1, .6): a2 = .1 + e2; tv = 1 - a; dspark .1 CE + .9 tv; the walk's expected accepted 1 + a1 + a1 a2
@@ -4326,7 +4326,7 @@ def test_dflash2_compiled_step_equals_eager(objective):
         outs.append(out)
         grads.append({k: p.grad.clone() for k, p in d.named_parameters()})
         d.zero_grad(set_to_none=True)
-    for k in ("accept_sum", "topk_hit", "selector_correct", "walk_accept_sum"):
+    for k in ("accept_sum", "topk_recall_hits", "selector_acc_hits", "walk_accept_sum"):
         assert torch.equal(outs[0][k], outs[1][k]), k
     for k in ["loss"] + ["sampled_accept_sum", "walk_sampled_accept_sum"] * bool(objective):
         assert rel_err(outs[1][k], outs[0][k]) < 1e-5, k

@@ -25,8 +25,8 @@ import torch.distributed as dist
 import checks
 import checkpoint
 from data import ArgParser, DataError, Packer, make_demo, number, open_dataset, package
-from model import Drafter, DrafterConfig, drafter_step, flex_kernel_options
-from model import eval_extras, sample_anchors
+from model import Drafter, DrafterConfig, drafter_step
+from model import sample_anchors
 from layers import upload
 from target import Target, TargetConfig
 t_launch = time.perf_counter()      # the log's elapsed time counts from here
@@ -61,9 +61,8 @@ arg("--loss", choices=("dpace", "dflash"), default="dpace", help="dpace: D-PACE 
     "2605.18810); dflash: the published loss (DFlash's decayed CE)")
 arg("--dpace-alpha", type=number(float, 0, hi=1), help="D-PACE smoothing alpha (0.5)")
 arg("--selector-alpha", type=number(float, 0), default=0.1, help="dflash2: selector CE's weight")
-arg("--objective", choices=("ce", "tv", "accept", "dspark"), default="ce", help="per slot: ce the "
-    "label's cross-entropy; against the target's distribution (distill.py): tv 1 - acceptance, "
-    "accept -log acceptance, dspark 0.1 ce + 0.9 tv")
+arg("--objective", choices=("ce", "tv", "accept", "dspark"), default="ce", help="per slot: ce "
+    "the label's; vs the target's p (distill.py): tv 1 - acceptance, accept -log it, dspark mixed")
 arg("--objective-temperature", type=number(float, 0, above=True), help="tv/accept/dspark: of "
     "both distributions (1)")
 arg("--lr", type=number(float, 0, above=True), default=6e-4, help="peak AdamW learning rate")
@@ -91,20 +90,8 @@ arg("--cache-dir", help="root of the per-rank Triton/Inductor caches (/tmp/dflas
 arg("--fresh-cache", action="store_true", help="empty this run's Triton/Inductor caches first")
 arg("--timeout", type=number(float, 0, above=True), default=900, help="seconds to wait for a peer")
 args = parser.parse_args()
-if args.epochs and args.max_steps:       # a flag a combination would ignore is refused
-    parser.error("--epochs and --max-steps: give one")
-if args.dpace_alpha is not None and args.loss != "dpace":
-    parser.error("--dpace-alpha: for --loss dpace only")
-args.dpace_alpha = 0.5 if args.dpace_alpha is None else args.dpace_alpha
-if args.objective_temperature is not None and args.objective == "ce":
-    parser.error("--objective-temperature: for --objective tv, accept or dspark only")
-if args.resume:
-    checkpoint.run_flags(parser, args)
-args.epochs = args.epochs or 6
-final = args.objective != "ce"    # the target's final hidden state rides with the taps
-if final:                         # distill.py: imported only when its flag is on
-    import distill
-    args.objective_temperature = args.objective_temperature or 1.0
+objective = checks.flags(parser, args)   # distill.py's objective, or None (CE)
+final = objective is not None     # then the target's final hidden state rides with the taps
 rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 rank_cache, cache_dirs = checks.rank_caches(args.cache_dir, rank, args.fresh_cache)  # not shared
 checks.explain_stops(rank, args.out, cache_dirs)
@@ -205,8 +192,8 @@ checks.start(args, data_dir, train_ds, demand, lost, tcfg, dcfg)
 # models: target ranks load the layers up to the last tapped one, drafters embed_tokens + lm_head
 
 tdtype = torch.bfloat16 if cuda else torch.float32
-kw = dict(device=device, dtype=tdtype, head=runs_drafter, n_layers=(
-    tcfg.num_hidden_layers if final else max(taps) + 1) if runs_target else 0)
+last = tcfg.num_hidden_layers - 1 if final else max(taps)      # the last layer a target runs
+kw = dict(device=device, dtype=tdtype, n_layers=last + 1 if runs_target else 0, head=runs_drafter)
 try:
     target = Target.build(tcfg, **kw) if preset else Target.from_pretrained(args.target, **kw)
 except (ValueError, KeyError, FileNotFoundError) as e:   # missing, misshapen, mis-scaled tensors
@@ -231,10 +218,9 @@ if runs_drafter:
     whole_step = functools.partial(
         drafter_step, drafter, anchors_per_doc=anchors_per_doc, row_anchors=row_anchors,
         embed=target.embed_tokens.weight, head=target.lm_head.weight, gamma=args.gamma,
-        flex=flex_kernel_options(device) if cuda else None, ce_chunk=0 if args.plain_loss else 1024,
+        flex=checks.flex_kernel_options(device), ce_chunk=0 if args.plain_loss else 1024,
         dpace=args.dpace_alpha if args.loss == "dpace" else None,
-        selector_alpha=args.selector_alpha, objective=distill.Objective(
-            args.objective, args.objective_temperature) if final else None)
+        selector_alpha=args.selector_alpha, objective=objective)
     if not args.no_compile:
         # a recompile after warm-up, or a hit recompile limit, would silently run flex_attention's
         # dense backward: both are errors instead (and, on GPU, flex run eagerly)
@@ -281,9 +267,7 @@ for i in infos:
     print0(f"  rank {i['rank']}: {i['role']:<14} pair {i['pair']} on {i['device']} | "
            f"caches {' '.join(i['caches'])}")
 print0(f"target: {args.target} ({tcfg.num_hidden_layers} layers, hidden {tcfg.hidden_size}, "
-       f"vocab {tcfg.vocab_size}), taps {taps}, layers 0.."
-       + (f"{tcfg.num_hidden_layers - 1} and the final norm loaded (--objective)" if final
-          else f"{max(taps)} loaded"))
+       f"vocab {tcfg.vocab_size}), taps {taps}, layers 0..{last} loaded" + " and norm" * final)
 n_params = sum(p.numel() for p in drafter.parameters()) if runs_drafter else 0
 kinds = [f"{dcfg.layer_types.count(k)} x {k}" + (f" (window {w})" if w else "")
          for k, w in dcfg.windows().items()]
@@ -475,7 +459,8 @@ if role == "target":
 # drafter ranks (and world size 1): receive rows, train
 
 if world > 1:   # the receive buffers: features, fields
-    bufs = (torch.empty(budget, (len(taps) + final) * tcfg.hidden_size, dtype=tdtype, device=device),
+    bufs = (torch.empty(budget, (len(taps) + final) * tcfg.hidden_size, dtype=tdtype,
+                        device=device),
             torch.empty(5, budget, dtype=torch.int64, device=device))
 
 def next_row(kind, r):
@@ -551,14 +536,15 @@ for step, kind, r in schedule(start_step):
         add(eval_sums, dict(out, wanted=wanted))
         del out                                     # and the activations autograd saved
         if r == len(eval_rows) - 1:
-            m = reduce(eval_sums)
-            slot_acc = (m["slot_correct"] / m["slot_count"].clamp(min=1)).tolist()[1:]  # 0: anchor
-            extra, more = eval_extras(m)
+            m = reduce(eval_sums)   # per block *accept_sum (accepted lengths), per slot *_hits
+            blocks, slots = max(m["blocks"].item(), 1), m["slot_count"].clamp(min=1)
             rec = dict(kind="eval", step=step, loss=m["loss"].item() / (len(eval_rows) * n_pairs),
-                       accept=m["accept_sum"].item() / max(m["blocks"].item(), 1),
-                       slot_acc=slot_acc, **extra)
-            log(rec, f"eval step {step}: loss {rec['loss']:.4f} | accept {rec['accept']:.3f} | "
-                     f"slot acc {' '.join(f'{a:.2f}' for a in slot_acc)}{more}")
+                       **{k[:-4]: m[k].item() / blocks for k in m if k.endswith("accept_sum")},
+                       **{k[:-5]: (m[k] / slots.sum()).item() for k in m if k.endswith("_hits")},
+                       slot_acc=(m["slot_correct"] / slots).tolist()[1:])   # slot 0: the anchor
+            log(rec, f"eval step {step}: loss {rec['loss']:.4f} | " + " | ".join(
+                f"{k.replace('_', ' ')} {v:.3f}" for k, v in rec.items() if type(v) is float
+                and k != "loss") + " | slot acc " + " ".join(f"{a:.2f}" for a in rec["slot_acc"]))
 
     elif kind == "train":
         t0 = mark()
