@@ -164,8 +164,7 @@ class Selector(nn.Module):
         sup, more = supervised.reshape(-1), {}
         if obj is not None:
             ce, a = obj.walk(s[:, :k], p_at[0], ce)
-            more["walk_sampled_accept_sum"] = ((1 + (a.view(N, B) * supervised)[:, 1:].cumprod(
-                1).sum(1)) * keep).sum()
+            more["walk_sampled_accept_sum"] = obj.accepted(a.view(N, B), supervised, keep)
         loss = (ce * sup).sum() / sup.sum().clamp(min=1)
         choice = cand.gather(1, s[:, :k].argmax(-1, keepdim=True))[:, 0]
         right = (choice == y).view(N, B) & supervised

@@ -1,18 +1,20 @@
 """
 Objectives against the target's own distribution (train.py --objective tv / accept / dspark).
-Speculative sampling accepts a drafted slot with probability a = sum_x min(p(x), q(x)) = 1 - TV(p, q)
-(Leviathan et al., arXiv:2211.17192), p the target's and q the drafter's distribution at the served
-temperature. A cross-entropy on one sampled answer learns p only through its samples; these learn it
-whole. p comes from the target's final post-norm hidden state at the position before each label
-(it travels with the taps), made logits by the frozen LM head inside model._WeightedCE's chunks:
-nothing vocabulary-sized is kept or sent. model.py never imports this file: the Objective object
+Speculative sampling accepts a drafted slot with probability a = sum_x min(p(x), q(x)) = 1 - TV(p,
+q) (Leviathan et al., arXiv:2211.17192), p the target's and q the drafter's distribution at the
+served temperature. A cross-entropy on one sampled answer learns p only through its samples; these
+learn it whole. p comes from the target's final post-norm hidden state at the position before each
+label (it travels with the taps), made logits by the frozen LM head inside model._WeightedCE's
+chunks: nothing vocabulary-sized is kept or sent. model.py never imports this file: the Objective
 train.py builds for the flag carries its code in. Per supervised slot:
   tv      1 - a, the expected rejection (DSpark's TV term, arXiv 2607.05147)
-  accept  -log a (the LK losses' acceptance term, arXiv 2602.23881): the rarely accepted slots weigh more
+  accept  -log a (the LK losses' acceptance term, arXiv 2602.23881): rarely accepted slots weigh
+          more; with D-PACE's weights its gradient is nearly that of the expected accepted length
   dspark  0.1 CE of the label + 0.9 (1 - a): DSpark's mix, without its confidence head
 weighted as --loss weighs CE (D-PACE's weights from a instead of the label's probability). DFlash2
-serves q = softmax(score / T) over a slot's top-K candidates (dflash2.py): its selector term is the same
-objective on that q (walk), the backbone's stays on the full softmax, which picks the candidates.
+serves q = softmax(score / T) over a slot's top-K candidates (dflash2.py): its selector term is the
+same objective on that q (walk), the backbone's stays on the full softmax, which picks the
+candidates; the two add as with CE (backbone + --selector-alpha x selector).
 """
 from dataclasses import dataclass
 
@@ -50,7 +52,7 @@ class Objective:
         return self._combine(a, ce), dz, a, p
 
     def plain(self, z, zt, y):
-        """terms' objective, a (detached) and p by plain autograd over full logits: the reference."""
+        """terms' objective, a (detached) and p, by plain autograd on full logits: the reference."""
         q, p = (z / self.temperature).softmax(-1), (zt / self.temperature).softmax(-1)
         a = torch.minimum(p, q).sum(-1)
         return self._combine(a, F.cross_entropy(z, y[:, 0], reduction="none")), a.detach(), p
@@ -62,7 +64,9 @@ class Objective:
         a = torch.minimum(p_at, (scores / self.temperature).softmax(-1)).sum(-1)
         return self._combine(a, ce), a.detach()
 
-def expected_accept(a, supervised):
-    """Per block, the teacher-forced expected accepted length under sampling: 1 + sum over slots
-    k >= 1 of prod_{i <= k} a_i (0 past the first unsupervised slot). a, supervised [N, B]."""
-    return 1 + (a[:, 1:] * supervised[:, 1:]).cumprod(1).sum(1)
+    @staticmethod
+    def accepted(a, supervised, keep):
+        """The blocks' teacher-forced expected accepted lengths under sampling, summed over the
+        kept blocks: 1 + sum over slots k >= 1 of prod_{i <= k} a_i, 0 past an unsupervised slot.
+        a, supervised [N, B]; keep [N]."""
+        return ((1 + (a * supervised)[:, 1:].cumprod(1).sum(1)) * keep).sum()

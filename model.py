@@ -4,7 +4,7 @@ Speculative Decoding", arXiv:2602.06036), in reading order:
   1) anchor sampling: which positions of a packed row start a draft block this step
   2) THE anchor mask_mod: which keys each block query may see (one definition for every path),
      and the same mask as flex_attention BlockMask lists, in closed form
-  3) the loss: weighted cross-entropy through the target's frozen LM head, chunked
+  3) the loss: weighted CE (or distill.py's objective) through the target's frozen LM head, chunked
   4) the drafter: Qwen3 layers over a block [anchor, mask x (B-1)] whose keys/values also see the
      target's fused hidden states; its training forward, the serving-side `propose`, FLOPs
   5) export: save/load in the z-lab format that SGLang, vLLM and z-lab/dflash load
@@ -140,11 +140,8 @@ def dpace_weights(q, valid, alpha):
     prefix = smooth.cumprod(-1) * valid
     return prefix.flip(-1).cumsum(-1).flip(-1) * valid
 
-def ce_terms(z, y):
-    # per row of logits z [n, V] (fp32), label y [n, 1]: CE, its gradient wrt z (softmax - onehot),
-    # the label's probability
-    lse = z.logsumexp(-1)
-    ce = lse - z.gather(1, y)[:, 0]
+def ce_terms(z, y):   # logits z [n, V] (fp32), labels y [n, 1] -> CE, d CE/dz, label probability
+    ce = (lse := z.logsumexp(-1)) - z.gather(1, y)[:, 0]
     dz = (z - lse[:, None]).exp().scatter_add(1, y, torch.full_like(y, -1, dtype=z.dtype))
     return ce, dz, (-ce).exp()
 
@@ -152,16 +149,14 @@ class _WeightedCE(torch.autograd.Function):
     """sum_i w_i * CE(h_i @ W^T, y_i) over the frozen LM head W in chunks of rows (the [N*B, vocab]
     logits never exist at once), the gradient wrt h made in the forward (no second logits GEMM in
     the backward). dpace=alpha: w is the 0/1 supervision, each block's weights dpace_weights of the
-    slots' own acceptances (chunks of whole blocks of B rows), constants for the gradient. obj
-    (distill.Objective): its objective instead of CE, against the target's logits t_h @ W^T in the
-    same chunks (t_h [rows, H]: the target's final hidden state before each label). top (DFlash2's
-    Selector.candidates): also each row's top-k logits and its label's, ids (obj: p there).
-    -> the loss, the argmax, per row the label's probability (obj: sum_x min(p, q)), top's."""
+    slots' acceptances (chunks of whole blocks of B rows), constants. obj (distill.Objective): its
+    objective vs the target's logits t_h @ W^T (t_h [rows, H]), made in the same chunks. top
+    (DFlash2's candidates): each row's top-k logits, its label's, their ids (obj: + p there)."""
     @staticmethod
     def forward(ctx, h, weight, labels, w, chunk, B=None, dpace=None, top=None, t_h=None, obj=None):
         loss, pred, acc, grads, tops = h.new_zeros((), dtype=torch.float32), [], [], [], []
         for s in range(0, h.shape[0], chunk):
-            x, xt = h[s:s + chunk], t_h[s:s + chunk] if obj else None
+            x = h[s:s + chunk]
             if s:
                 # one chunk after another: without a data dependency on the last chunk's result
                 # torch.compile fuses the chunks' kernels into one, which holds every chunk's logits
@@ -170,8 +165,8 @@ class _WeightedCE(torch.autograd.Function):
                 x = x + (g - g).to(x.dtype)
             logits = (raw := x @ weight.t()).float()    # DFlash2's top-k reads raw: half the bytes
             y, w_chunk = labels[s:s + chunk, None], w[s:s + chunk]
-            ce, dz, a, *p = (ce_terms(logits, y) if obj is None
-                             else obj.terms(logits, (xt @ weight.t()).float(), y))
+            ce, dz, a, *p = (ce_terms(logits, y) if obj is None   # a: the label's p, obj's min sum
+                             else obj.terms(logits, (t_h[s:s + chunk] @ weight.t()).float(), y))
             if dpace is not None:
                 w_chunk = dpace_weights(a.view(-1, B), w_chunk.view(-1, B) > 0, dpace).view(-1)
             loss = loss + (w_chunk * ce.masked_fill(w_chunk == 0, 0.0)).sum()   # no NaN * 0
@@ -190,8 +185,7 @@ class _WeightedCE(torch.autograd.Function):
         (dh,) = ctx.saved_tensors
         return (dh * g_loss).to(dh.dtype), *[None] * 9
 
-def _top(top, logits, gold, p=None):
-    # DFlash2's candidates: (top-k logits, then the gold one), their ids (, the target's p there)
+def _top(top, logits, gold, p=None):   # DFlash2's: (top-k logits, the gold one), ids (, p there)
     v, i = top(logits)
     return (torch.cat([v, gold], 1), i) + (() if p is None else (p.gather(1, i),))
 
@@ -199,12 +193,9 @@ def plain_ce(h, weight, labels, w, B, dpace=None, top=None, t_h=None, obj=None):
     """_WeightedCE's value as plain autograd over full-vocab logits [rows, vocab] at once: the
     reference, and where to prototype another loss (ce_chunk=0; train.py --plain-loss)."""
     logits = (h @ weight.t()).float()
-    if obj is None:
-        ce = F.cross_entropy(logits, labels, reduction="none")
-        a, p = (-ce.detach()).exp(), ()
-    else:
-        ce, a, p = obj.plain(logits, (t_h @ weight.t()).float(), labels[:, None])
-        p = (p,)
+    ce = F.cross_entropy(logits, labels, reduction="none")     # a: the label's probability
+    ce, a, *p = (obj.plain(logits, (t_h @ weight.t()).float(), labels[:, None]) if obj
+                 else (ce, (-ce.detach()).exp()))
     if dpace is not None:
         w = dpace_weights(a.view(-1, B), w.view(-1, B) > 0, dpace).view(-1)
     top = () if top is None else _top(top, x := logits.detach(), x.gather(1, labels[:, None]), *p)
@@ -407,14 +398,13 @@ class Drafter(nn.Module):
 
     def forward(self, feats, tokens, loss_mask, doc, pos, anchors, keep, embed, head, gamma=7.0,
                 flex=None, ce_chunk=1024, dpace=None, selector_alpha=0.1, objective=None):
-        """Masked training forward over one packed row: feats [S, n_feat*H]; tokens, loss_mask,
-        doc, pos [S]; anchors, keep [N] (sample_anchors); embed, head the target's [vocab, H];
-        flex None (dense mask + SDPA, CPU) or flex_attention's kernel options (GPU, compiled);
-        dpace=alpha: D-PACE's weights, no decay; ce_chunk 0: plain_ce; DFlash2: + selector_alpha x
-        its selector's loss; objective (distill.Objective): against the target's distribution, its
-        final hidden state the last H columns of feats. -> the loss, acceptance and slot sums"""
+        """Masked training forward over one packed row: feats [S, n_feat*H] (objective, distill.py:
+        + the target's final hidden states [S, H]); tokens, loss_mask, doc, pos [S]; anchors, keep
+        [N] (sample_anchors); embed, head the target's [vocab, H]; flex None (dense mask + SDPA,
+        CPU) or flex_attention's kernel options (GPU, compiled); dpace=alpha: D-PACE's weights, no
+        decay; ce_chunk 0: plain_ce; DFlash2: + selector_alpha x its selector's loss. -> sums"""
         c, S, N, B = self.config, tokens.shape[0], anchors.shape[0], self.config.block_size
-        if objective is not None:
+        if objective is not None:   # the target's final hidden states: p at slot k from anchor+k-1
             feats, final = feats[:, :-c.hidden_size], feats[:, -c.hidden_size:]
         k = torch.arange(B, device=tokens.device)
         idx = anchors[:, None] + k                         # [N, B] absolute positions of the block
@@ -438,18 +428,15 @@ class Drafter(nn.Module):
             d = doc[anchors]
             norm = (keep & torch.cat([keep[:1], d[1:] != d[:-1]])).sum().clamp(min=1)
         pick = self.candidate_selector.candidates if c.conv_kernel_size else None   # DFlash2
-        # the objective's p at slot k: the target's next-token distribution at anchor + k - 1
-        t_h = None if objective is None else final[(idx - 1).clamp(min=0)].view(N * B, -1)
         wce, pred, a, *top = (_WeightedCE.apply if ce_chunk else plain_ce)(
             h, head, labels.view(-1), w.view(-1), *((chunk,) if ce_chunk else ()), B, dpace, pick,
-            t_h, objective)
+            objective and final[(idx - 1).clamp(min=0)].flatten(0, 1), objective)
         correct = (pred.view(N, B) == labels) & supervised
         accepted = 1 + correct[:, 1:].long().cumprod(1).sum(1)  # anchor + leading correct slots
         out = dict(loss=wce / norm, accept_sum=(accepted * keep).sum(),
                    blocks=keep.sum(), slot_correct=correct.sum(0), slot_count=supervised.sum(0))
-        if objective is not None:   # teacher-forced, the expected accepted length at its temperature
-            out["sampled_accept_sum"] = ((1 + (a.view(N, B) * supervised)[:, 1:].cumprod(1).sum(1))
-                                         * keep).sum()
+        if objective is not None:   # teacher-forced, the expected accepted length at its T
+            out["sampled_accept_sum"] = objective.accepted(a.view(N, B), supervised, keep)
         return out if pick is None else self.candidate_selector.terms(
             out, h, head, labels, supervised, keep, top, selector_alpha, objective)
 
@@ -474,9 +461,8 @@ class Drafter(nn.Module):
         return logits.argmax(-1), logits
 
     def flops(self, S, N, visible=None, objective=False):
-        """Matmul FLOPs of a training step (fwd + bwd) at S context tokens and N anchors; attention
-        from visible, {layer kind: (query, key) pairs its mask lets through} (None: left out);
-        objective: + the target's logits (distill.py)."""
+        """Matmul FLOPs of a training step (fwd + bwd) at S context tokens and N anchors (objective:
+        + the target's logits); attention from visible, {kind: (query, key) pairs} (None: none)."""
         c, Q = self.config, N * self.config.block_size
         q_o_mlp = c.hidden_size * (2 * c.num_attention_heads * c.head_dim + 3 * c.intermediate_size)
         kv = 2 * c.hidden_size * c.num_key_value_heads * c.head_dim
@@ -486,8 +472,7 @@ class Drafter(nn.Module):
         fc = 2 * S * self.fc.in_features * c.hidden_size               # no input grad: fwd + dW
         head = 2 * Q * c.vocab_size * c.hidden_size
         extra = self.candidate_selector.flops(Q) if c.conv_kernel_size else 0   # DFlash2's
-        # fwd + 2x bwd; the frozen head: logits, dh (objective: + the target's logits)
-        return 3 * (fwd + attn) + 2 * fc + (3 if objective else 2) * head + extra
+        return 3 * (fwd + attn) + 2 * fc + (2 + objective) * head + extra  # frozen head: logits, dh
 
     # -------------------------------------------------------------------------
     # 5) export in the z-lab format
