@@ -320,14 +320,17 @@ def make_demo(out_dir, samples=384, val_samples=32, new_tokens=48, seed=0, log=p
     os.makedirs(os.path.dirname(os.path.abspath(out_dir)), exist_ok=True)
     with open(os.path.abspath(out_dir) + ".lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)     # processes side by side: one builds, the rest reuse
-        old = []
-        try:
-            old = [open_dataset(os.path.join(out_dir, s)).meta.get("source") for s in ("train", "val")]
-        except (OSError, ValueError):
-            pass  # not there: make it (Writer refuses to overwrite another dataset)
-        if old == [want] * 2:
+        old = {}    # split: the demo settings that made it (not a demo's: Writer refuses to overwrite)
+        for s in ("train", "val"):
+            try:
+                old[s] = open_dataset(os.path.join(out_dir, s)).meta.get("source") or {}
+            except (OSError, ValueError):
+                pass    # not there
+        if old == {"train": want, "val": want}:
             log(f"reusing the demo in {out_dir}")
             return out_dir
+        if any("demo" in v for v in old.values()):
+            log(f"demo: {out_dir} was made by another target.py or other settings: making it anew")
         rng, t0 = np.random.default_rng(seed), time.time()
         model = Target.build(cfg)
         prompts = [torch.from_numpy(rng.integers(1, cfg.vocab_size, rng.integers(8, 25)))
@@ -344,6 +347,6 @@ def make_demo(out_dir, samples=384, val_samples=32, new_tokens=48, seed=0, log=p
                 for s, p in zip(seqs, prompts)]
         for split, part in (("train", rows[:samples]), ("val", rows[samples:])):
             m = write_dataset(os.path.join(out_dir, split), part, cfg.vocab_size, source=want,
-                              force=bool(old) and "demo" in (old[0] or {}))   # another demo's: ours
+                              force="demo" in old.get(split, {}))
             log(f"demo: wrote {out_dir}/{split}: {m['n_samples']} samples, {time.time() - t0:.1f}s")
         return out_dir

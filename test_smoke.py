@@ -2178,8 +2178,14 @@ def test_demo_is_the_targets_greedy_output(tmp_path):
     mtime = os.path.getmtime(os.path.join(out, "train", "meta.json"))
     assert data.make_demo(tmp_path / "demo", samples=10, val_samples=3, new_tokens=20, seed=0) == out  # reused
     assert os.path.getmtime(os.path.join(out, "train", "meta.json")) == mtime
-    with pytest.raises(DataError, match="already exists"):  # a different demo is not silently overwritten
-        data.make_demo(tmp_path / "demo", samples=11, val_samples=3, new_tokens=20, seed=0)
+    # another demo (other settings, or another target.py's tiny preset) is made anew, and says so
+    lines = []
+    data.make_demo(tmp_path / "demo", samples=11, val_samples=3, new_tokens=20, seed=0, log=lines.append)
+    assert "was made by another target.py or other settings: making it anew" in lines[0] and len(open_dataset(out)) == 11
+    # a dataset that is not a demo is never overwritten
+    write_dataset(str(tmp_path / "mine" / "train"), [(np.arange(1, 9), np.ones(8, np.uint8))], vocab_size=512)
+    with pytest.raises(DataError, match="already exists"):
+        data.make_demo(tmp_path / "mine", samples=10, val_samples=3, new_tokens=20, seed=0)
 
 
 # -----------------------------------------------------------------------------
