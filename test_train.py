@@ -758,8 +758,10 @@ def finished(tmp_path_factory):
     (["--resume", "--max-steps", 1], "error: --resume: the checkpoint is at step 2, past this run's 1 steps"),
     (["--resume", "--objective", "dspark"], "error: --resume: --objective dspark differs from the checkpoint's ce; "
                                             "resume with --objective ce"),
+    (["--resume", "--loss", "dflash"], "error: --resume: --loss dflash differs from the checkpoint's dpace; "
+                                       "resume with --loss dpace"),     # a key the new run drops
     ([], "error: --out OUT holds a run (OUT/ckpt.pt); continue it with --resume, start over with --overwrite"),
-], ids=["budget", "block-size", "sliding-window", "gamma", "data", "max-steps", "objective", "no-resume"])
+], ids=["budget", "block-size", "sliding-window", "gamma", "data", "max-steps", "objective", "loss", "no-resume"])
 def test_resume_refuses_what_changes_the_run(finished, tmp_path, flags, msg):
     """A resume that would train another drafter or other rows, or a new run over a finished one:
     one line naming the flag and both values; the run's files untouched."""
