@@ -38,6 +38,7 @@ arg("--objective", choices=("ce", "tv", "accept", "dspark"), default="ce", help=
     "target: also the forward to the final norm")
 arg("--out", default=os.path.join(tempfile.gettempdir(), "dflash-bench"), help="scratch dir")
 args, dev, bf16 = p.parse_args(), torch.device("cuda"), torch.bfloat16
+final = args.objective != "ce"   # the target's final hidden state travels too (train.py's)
 if not torch.cuda.is_available():
     sys.exit("error: bench.py needs a CUDA GPU (it checks and times GPU kernels)")
 TRAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")
@@ -81,7 +82,7 @@ def drafter_flops(drafter, S, N, doc, pos, loss_mask):
     full = (pos[anchors][:, None] + B).expand(-1, B)
     visible = {kind: (((q + 1).clamp(max=w) if w else full) * keep[:, None]).sum().item()
                for kind, w in dcfg.windows().items()}
-    return drafter.flops(S, N, visible, args.objective != "ce")
+    return drafter.flops(S, N, visible, final)
 
 def qwen_kernel_checks(per_expert_linear):
     # 1) fla (bf16) == plain torch (fp32) on a packed row,
@@ -159,7 +160,7 @@ if args.what == "check":
     print("check: OK")
 
 elif args.what == "target":
-    peak, taps, T, final = matmul_peak(), dcfg.target_layer_ids, args.budget, args.objective != "ce"
+    peak, taps, T = matmul_peak(), dcfg.target_layer_ids, args.budget
     n = tcfg.num_hidden_layers if final else max(taps) + 1   # --objective: to the final norm
     target = Target.build(tcfg, device=dev, dtype=bf16, n_layers=n, head=False)
     weights, (cu, _, _) = torch.cuda.memory_allocated() / 2**30, packed_row(T, 4)
@@ -180,7 +181,6 @@ elif args.what == "drafter":
     _, doc, pos = packed_row(S, 4)
     row = dict(tokens=torch.randint(0, tcfg.vocab_size, (S,), device=dev), doc=doc, pos=pos,
                loss_mask=(torch.rand(S, device=dev) < 0.7).long())
-    final = args.objective != "ce"  # --objective: the target's final hidden state after the taps
     feats = torch.randn(S, (len(dcfg.target_layer_ids) + final) * tcfg.hidden_size, device=dev,
                         dtype=bf16)
     # train.py's step, compiled whole; N anchors from any document

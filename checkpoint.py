@@ -62,7 +62,7 @@ def save(out, step, drafter, state):
         sys.exit(f"error: --out {out}: cannot write {where} (step {step}): {err}; free space "
                  f"or fix permissions, then continue with --resume --out {out}")
 
-# identity's keys present only off their default, and that default (older checkpoints lack them)
+# identity's keys an older checkpoint (or a dflash run: --loss) lacks, and the value they stand for
 ABSENT = {"--loss": "dflash", "--objective": "ce"}
 
 def identity(args, pairs, data_meta, row_anchors, dcfg, tcfg):
@@ -74,12 +74,10 @@ def identity(args, pairs, data_meta, row_anchors, dcfg, tcfg):
            "--row-anchors": row_anchors, "--block-size": args.block_size, "--gamma": args.gamma,
            "--drafter-layers": dcfg.num_hidden_layers, "--n-feat": len(dcfg.target_layer_ids),
            "--sliding-window": max(dcfg.windows().values()), "--mask-token-id": dcfg.mask_token_id,
+           "--objective": args.objective, "--objective-temperature": args.objective_temperature,
            "drafter config": vars(dcfg), "target config": vars(tcfg)}
     if args.loss != "dflash":      # (absent from dflash runs: their older checkpoints still resume)
         run.update({"--loss": args.loss, "--dpace-alpha": args.dpace_alpha})
-    if args.objective != "ce":     # (likewise)
-        run.update({"--objective": args.objective,
-                    "--objective-temperature": args.objective_temperature})
     return run
 
 def run_flags(parser, args, argv=None):

@@ -96,8 +96,8 @@ def flags(parser, args):
             parser.error(msg)
     if args.resume:
         checkpoint.run_flags(parser, args)
-    args.epochs, args.dpace_alpha = args.epochs or 6, 0.5 if args.dpace_alpha is None else (
-        args.dpace_alpha)
+    args.epochs = args.epochs or 6
+    args.dpace_alpha = 0.5 if args.dpace_alpha is None else args.dpace_alpha
     if args.objective == "ce":
         return None
     import distill

@@ -21,12 +21,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-KINDS = ("tv", "accept", "dspark")
+from model import ce_terms
+
 EPS = 1e-6          # accept: -log(a + EPS), finite where the drafter misses p entirely
 
 @dataclass(frozen=True)
 class Objective:
-    kind: str                   # one of KINDS
+    kind: str                   # tv, accept or dspark
     temperature: float = 1.0    # of p and q alike
 
     def _combine(self, a, ce):  # the objective of acceptance a [n] and the label's CE [n]
@@ -44,10 +45,8 @@ class Objective:
         da = (qb - q * qb.sum(-1, keepdim=True)) / self.temperature
         dz = -da / (a + EPS)[:, None] if self.kind == "accept" else -da
         ce = None
-        if self.kind == "dspark":   # + 0.1 x CE's gradient, softmax - onehot
-            lse = z.logsumexp(-1)
-            ce = lse - z.gather(1, y)[:, 0]
-            dce = (z - lse[:, None]).exp().scatter_add(1, y, torch.full_like(y, -1, dtype=z.dtype))
+        if self.kind == "dspark":   # + 0.1 x the label CE's gradient
+            ce, dce, _ = ce_terms(z, y)
             dz = 0.1 * dce + 0.9 * dz
         return self._combine(a, ce), dz, a, p
 

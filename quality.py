@@ -365,8 +365,8 @@ def tau_once(out, tdir, ddir, b, split, n, setting, device):
     # generate.replay_dataset's dict for the run's export at setting (T, top-p, top-k), kept in
     # the run dir: computed once
     temp, top_p, top_k = setting
-    more = f"-p{top_p:g}-k{top_k}" if (top_p, top_k) != (1.0, 0) else ""
-    path = os.path.join(out, f"tau-{split}-T{temp:g}{more}-n{n or 'all'}.json")
+    name = setting_name(*setting).replace(" ", "")    # greedy, T1, T0.6p0.95k20
+    path = os.path.join(out, f"tau-{split}-{name}-n{n or 'all'}.json")
     if not os.path.exists(path):
         t0 = time.time()
         res = generate.replay_dataset(tdir, os.path.join(out, "drafter"), os.path.join(

@@ -26,9 +26,8 @@ this file rewritten against it, and train.py, generate.py, bench.py and the demo
   optional, used on a GPU where present: .graphed_features(layer_ids, log, final) -> features(ids,
       cu_seqlens, train) replaying CUDA graphs, or None
 Nothing else of it is imported elsewhere (test_smoke.py checks) but by quality.py (Docs: it is
-Qwen-only, trains a Qwen3.5 target and samples it with greedy's temperature and generator) and
-bench.py (per_expert_linear: the MoE GEMM check's reference; where this file lacks it, `bench.py
-check` skips that check, fla's and the CUDA graphs', in one line saying so).
+Qwen-only, trains a Qwen3.5 target, samples with greedy's temperature) and bench.py
+(per_expert_linear: the MoE GEMM check's reference; where it is missing, `bench.py check` says so).
 Its layers are layers.py's, shared with the drafter; testdata/llama_target.py is a second target.
 """
 import functools

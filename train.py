@@ -537,11 +537,11 @@ for step, kind, r in schedule(start_step):
         del out                                     # and the activations autograd saved
         if r == len(eval_rows) - 1:
             m = reduce(eval_sums)   # per block *accept_sum (accepted lengths), per slot *_hits
-            blocks, slots = max(m["blocks"].item(), 1), m["slot_count"].clamp(min=1)
+            n, blocks = m["slot_count"].sum().clamp(min=1), max(m["blocks"].item(), 1)
             rec = dict(kind="eval", step=step, loss=m["loss"].item() / (len(eval_rows) * n_pairs),
                        **{k[:-4]: m[k].item() / blocks for k in m if k.endswith("accept_sum")},
-                       **{k[:-5]: (m[k] / slots.sum()).item() for k in m if k.endswith("_hits")},
-                       slot_acc=(m["slot_correct"] / slots).tolist()[1:])   # slot 0: the anchor
+                       **{k[:-5]: (m[k] / n).item() for k in m if k.endswith("_hits")},
+                       slot_acc=(m["slot_correct"] / m["slot_count"].clamp(min=1)).tolist()[1:])
             log(rec, f"eval step {step}: loss {rec['loss']:.4f} | " + " | ".join(
                 f"{k.replace('_', ' ')} {v:.3f}" for k, v in rec.items() if type(v) is float
                 and k != "loss") + " | slot acc " + " ".join(f"{a:.2f}" for a in rec["slot_acc"]))
