@@ -25,8 +25,7 @@ import torch.distributed as dist
 import checks
 import checkpoint
 from data import ArgParser, DataError, Packer, make_demo, number, open_dataset, package
-from model import Drafter, DrafterConfig, drafter_step
-from model import sample_anchors
+from model import Drafter, DrafterConfig, drafter_step, sample_anchors
 from layers import upload
 from target import Target, TargetConfig
 t_launch = time.perf_counter()      # the log's elapsed time counts from here
@@ -232,7 +231,6 @@ if runs_drafter:
     step_fn = torch.enable_grad()(whole_step)   # one graph: under no_grad an eval would recompile
 
 # the output dir, once the inputs are checked: one run at a time, none replaced by accident
-# (checkpoint.py; the log rank's)
 ckpt_path = os.path.join(args.out, "ckpt.pt")
 if rank == log_rank:
     checkpoint.claim(args.out, args.resume, args.overwrite, print0)
@@ -419,13 +417,6 @@ def target_row(kind, r):
     packed = upload(torch.from_numpy(row.packed()), device)
     return features(packed[0], torch.from_numpy(row.cu_seqlens), kind == "train"), packed
 
-def save_checkpoint(step):
-    # no data position or RNG state: the step gives both (packer.seek; anchors from the step)
-    checkpoint.save(args.out, step, drafter, dict(optimizer=opt.state_dict(), args=vars(args),
-                                                  drafter_config=vars(dcfg), run=run,
-                                                  processes=world))
-    print0(f"step {step}: saved {ckpt_path} and {args.out}/drafter/ (z-lab format)")
-
 # =============================================================================
 # target ranks: run ahead of the drafter, at most two rows in flight (the pair protocol above)
 
@@ -527,7 +518,11 @@ graphed_update = (speedups.UpdateGraph(update, opt, 3, print0)
 
 for step, kind, r in schedule(start_step):
     if kind == "save" and rank == log_rank:
-        save_checkpoint(step)
+        # no data position or RNG state: the step gives both (packer.seek; anchors from the step)
+        checkpoint.save(args.out, step, drafter, dict(
+            optimizer=opt.state_dict(), args=vars(args), drafter_config=vars(dcfg), run=run,
+            processes=world))
+        print0(f"step {step}: saved {ckpt_path} and {args.out}/drafter/ (z-lab format)")
 
     elif kind == "eval":
         feats, packed = next_row("eval", r)
