@@ -192,9 +192,8 @@ class TargetConfig:
 
     def __post_init__(self):
         if self.layer_types is None:
-            every = self.full_attention_interval
-            self.layer_types = ["full_attention" if (i + 1) % every == 0 else "linear_attention"
-                                for i in range(self.num_hidden_layers)]
+            self.layer_types = ["full_attention" if (i + 1) % self.full_attention_interval == 0
+                                else "linear_attention" for i in range(self.num_hidden_layers)]
         # messages as from_hf's: "field = value is not supported: why" (it prefixes the file)
         bad = [t for t in self.layer_types if t not in ("full_attention", "linear_attention")]
         if bad:
@@ -436,8 +435,7 @@ def expert_linear(x, w, ends):
     if x.dtype == torch.bfloat16 and w.shape[1] % 8 == 0 and w.shape[2] % 8 == 0:
         # one grouped GEMM (CUTLASS on sm90+), its offsets on the device: no host sync
         return torch._grouped_mm(x, w.transpose(1, 2), offs=ends.to(torch.int32))
-    # rows not 16-byte aligned (toy sizes) or fp32
-    return per_expert_linear(x, w, ends)
+    return per_expert_linear(x, w, ends)    # rows not 16-byte aligned (toy sizes) or fp32
 
 def per_expert_linear(x, w, ends):
     # expert_linear as one matmul per expert on its contiguous slice (host sync for the split
@@ -473,15 +471,6 @@ class MoE(nn.Module):
         out = torch.empty_like(out).index_copy_(0, order, out).view(T, k, -1)   # token order
         routed = torch.bmm(w[:, None, :], out)[:, 0]     # sum over the k slots, fp32 accumulate
         return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-
-def active_params(module):
-    """Weights each token multiplies by in `module` (for matmul FLOPs): its 2-D weights, and of
-    every MoE's routed experts the share a token runs (top_k of num_experts)."""
-    n = sum(p.numel() for p in module.parameters() if p.dim() == 2)
-    for moe in (m for m in module.modules() if isinstance(m, MoE)):
-        routed = moe.experts.gate_up_proj.numel() + moe.experts.down_proj.numel()
-        n += routed * moe.top_k // moe.gate.out_features
-    return n
 
 class TargetLayer(nn.Module):
     def __init__(self, c, kind):
@@ -722,8 +711,12 @@ class Target(nn.Module):
 
     def flops(self, cu_seqlens, n_layers):
         """Matmul FLOPs of a forward through layers [0, n_layers) over one packed row (for MFU)."""
-        c, T = self.config, int(cu_seqlens[-1])
-        linear = active_params(self.layers[:n_layers])
+        c, T, layers = self.config, int(cu_seqlens[-1]), self.layers[:n_layers]
+        # the weights a token multiplies by: its 2-D ones, of each MoE's routed experts top_k of E
+        linear = sum(p.numel() for p in layers.parameters() if p.dim() == 2)
+        for moe in (m for m in layers.modules() if isinstance(m, MoE)):
+            routed = moe.experts.gate_up_proj.numel() + moe.experts.down_proj.numel()
+            linear += routed * moe.top_k // moe.gate.out_features
         lens = (cu_seqlens[1:] - cu_seqlens[:-1]).double()
         n_full = sum(c.layer_types[i] == "full_attention" for i in range(n_layers))
         causal_pairs = float((lens * (lens + 1) / 2).sum())
