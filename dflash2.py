@@ -171,8 +171,7 @@ class Selector(nn.Module):
         walked = 1 + right[:, 1:].long().cumprod(1).sum(1)              # anchor + leading right
         return dict(out, loss=out["loss"] + alpha * loss, selector_loss=loss.detach(),
                     topk_recall_hits=(found.view(N, B) & supervised).sum(),
-                    selector_acc_hits=right.sum(),
-                    walk_accept_sum=(walked * keep).sum(), **more)
+                    selector_acc_hits=right.sum(), walk_accept_sum=(walked * keep).sum(), **more)
 
     def flops(self, Q):
         """Matmul FLOPs of DFlash2's parts in a training step (fwd + bwd) over Q block tokens: the

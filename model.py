@@ -506,9 +506,8 @@ class Drafter(nn.Module):
             os.replace(tmp + ".safetensors", os.path.join(out_dir, "model.safetensors"))
             os.replace(tmp + ".json", os.path.join(out_dir, "config.json"))
         finally:            # a failed write (a full disk) leaves no half-written file behind
-            for p in (tmp + ".safetensors", tmp + ".json"):
-                if os.path.exists(p):
-                    os.remove(p)
+            for p in filter(os.path.exists, (tmp + ".safetensors", tmp + ".json")):
+                os.remove(p)
 
     @classmethod
     def from_pretrained(cls, path, device="cpu", dtype=torch.float32):
