@@ -329,8 +329,7 @@ def lr_at(step):
     if step < warm:
         return args.lr * (step + 1) / warm
     if args.schedule == "wsd":      # warmup-stable-decay
-        decay = max(1, round(0.2 * max_steps))
-        return args.lr * min(1.0, (max_steps - step) / decay)
+        return args.lr * min(1.0, (max_steps - step) / max(1, round(0.2 * max_steps)))
     return args.lr * 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, max_steps - warm)))
 
 def mark():
@@ -548,8 +547,7 @@ for step, kind, r in schedule(start_step):
         if self_check.process:
             print0(f"self-check: {self_check.join()}")
         torch.manual_seed(args.seed * 1_000_003 + step * 1009 + pair)  # anchors: (seed, step, pair)
-        # on GPU the step after the compiling one runs under the profiler, which must see the
-        # fused flex backward
+        # the step after the compiling one, profiled: the profiler must see the fused flex backward
         probed = cuda and not args.no_compile and step == start_step + 1
         with checks.fused_backward(len(dcfg.windows())) if probed else nullcontext() as seen:
             metrics = graphed_update(feats, packed, lr_at(step))
