@@ -332,16 +332,14 @@ def lr_at(step):
         return args.lr * min(1.0, (max_steps - step) / max(1, round(0.2 * max_steps)))
     return args.lr * 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, max_steps - warm)))
 
-def mark():
-    # a point in time on this rank's GPU stream (no host sync); the host clock on CPU
+def mark():   # a point in time on this rank's GPU stream (no host sync); the host clock on CPU
     if not cuda:
         return time.perf_counter()
     event = torch.cuda.Event(enable_timing=True)
     event.record()
     return event
 
-def ms(marks):
-    # the total of (start, end) mark spans
+def ms(marks):   # the total of (start, end) mark spans
     return sum(a.elapsed_time(b) if cuda else (b - a) * 1e3 for a, b in marks)
 
 def gather_stats(target_ms):
@@ -353,21 +351,18 @@ def gather_stats(target_ms):
         dist.all_reduce(stats, group=stats_group)
     return stats
 
-def add(sums, metrics):
-    # a window's metric sums stay on the device: no host sync per step
+def add(sums, metrics):   # a window's metric sums stay on the device: no host sync per step
     for k, v in metrics.items():
         sums[k] = sums.get(k, 0) + v.detach().float()
 
-def reduce(sums):
-    # all drafters' sums of a window, on the host; the window starts empty again
+def reduce(sums):   # all drafters' sums of a window, on the host; the window starts empty again
     for v in sums.values() if world > 1 else []:
         dist.all_reduce(v, group=drafter_group)
     m = {k: v.cpu() for k, v in sums.items()}
     sums.clear()
     return m
 
-def unpack_row(packed):
-    # data.Row.packed's fields [5, budget] (int64), by name
+def unpack_row(packed):   # data.Row.packed's fields [5, budget] (int64), by name
     return dict(zip(("tokens", "loss_mask", "doc", "pos", "where"), packed))
 
 def update(feats, packed, lr):
@@ -488,8 +483,7 @@ def window_record(step, m, seconds):
                 elapsed_s=round(time.perf_counter() - t_launch, 2),
                 graphs=torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
-def train_line(r):
-    # a train record as its console line (README: Reading the log)
+def train_line(r):   # a train record as its console line (README: Reading the log)
     return (f"step {r['step']}/{max_steps} | ep {r['epoch']:.2f} | loss {r['loss']:.4f} | accept "
             f"{r['accept']:.3f} | lr {r['lr']:.2e} | gnorm {r['gnorm']:.2f} | {r['tok_s']:.0f} "
             f"tok/s {r['blocks_s']:.0f} blocks/s | anchors/row {r['anchors_row']:.0f} cut "
