@@ -320,7 +320,7 @@ def make_demo(out_dir, samples=384, val_samples=32, new_tokens=48, seed=0, log=p
     os.makedirs(os.path.dirname(os.path.abspath(out_dir)), exist_ok=True)
     with open(os.path.abspath(out_dir) + ".lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)     # processes side by side: one builds, the rest reuse
-        old = {}    # split: the demo settings that made it (not a demo's: Writer refuses to overwrite)
+        old = {}    # split: the demo settings that made it (not a demo's: Writer won't overwrite)
         for s in ("train", "val"):
             try:
                 old[s] = open_dataset(os.path.join(out_dir, s)).meta.get("source") or {}

@@ -48,8 +48,7 @@ from layers import rope_cos_sin, rope_type, upload
 # -----------------------------------------------------------------------------
 # packed documents on the CPU path: [T, ...] <-> [n_docs, longest, ...]
 
-def pad_docs(x, docs):
-    # [T, ...] -> [n_docs, longest, ...], every document zero-padded at its end
+def pad_docs(x, docs):   # [T, ...] -> [n_docs, longest, ...], every document zero-padded at its end
     idx, valid = docs.pad[:2]
     return x[idx] * valid.view(*valid.shape, *[1] * (x.dim() - 1)).to(x.dtype)
 
@@ -136,8 +135,7 @@ class Docs(NamedTuple):
         return docs._replace(pad=tuple(upload(torch.from_numpy(a), device) for a in pad))
 
 @functools.cache
-def _fla():
-    # imported lazily: CPU users and CI never need triton
+def _fla():   # imported lazily: CPU users and CI never need triton
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     from fla.modules.causal_conv1d import causal_conv1d
     from fla.modules.norm.fused_norm_gate import rms_norm_gated
@@ -215,8 +213,7 @@ class TargetConfig:
         with open(file) as f:
             cfg = json.load(f)
         arch = cfg.get("architectures", ["?"])[0]
-        if cfg.get("model_type") not in ("qwen3_5", "qwen3_5_text", "qwen3_5_moe",
-                                         "qwen3_5_moe_text"):
+        if str(cfg.get("model_type")).removesuffix("_text") not in ("qwen3_5", "qwen3_5_moe"):
             raise ValueError(f"{file}: model_type {cfg.get('model_type')!r} ({arch}) is not "
                              "supported; this trainer's target is the Qwen3.5/Qwen3.6 hybrid "
                              "(model_type qwen3_5 or qwen3_5_moe)")
