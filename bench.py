@@ -20,8 +20,7 @@ import torch
 import checks
 from layers import positions_from_cu
 from target import Target, TargetConfig
-from model import Drafter, DrafterConfig, drafter_step
-from model import sample_anchors
+from model import Drafter, DrafterConfig, drafter_step, sample_anchors
 from data import ArgParser
 
 p = ArgParser(description=__doc__)

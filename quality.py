@@ -362,8 +362,7 @@ def setting_name(temp, top_p=1.0, top_k=0):   # a sampling setting as the table 
         f" p {top_p:g} k {top_k}" if (top_p, top_k) != (1.0, 0) else "")
 
 def tau_once(out, tdir, ddir, b, split, n, setting, device):
-    # generate.replay_dataset's dict for the run's export at setting (T, top-p, top-k), kept in
-    # the run dir: computed once
+    # generate.replay_dataset's dict for the run's export at setting (T, top-p, top-k), once
     temp, top_p, top_k = setting
     name = setting_name(*setting).replace(" ", "")    # greedy, T1, T0.6p0.95k20
     path = os.path.join(out, f"tau-{split}-{name}-n{n or 'all'}.json")
